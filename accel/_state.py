@@ -1,0 +1,255 @@
+"""The process state: one frozen value in one ContextVar.
+
+``distributed()`` sets it for a block; every accel function reads it with :func:`state`.
+Outside any block the state is derived on each call from what already exists (an initialised
+process group, the launch environment) without side effects.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from types import MappingProxyType
+from typing import Any, Literal, get_args
+
+import attrs
+import torch
+
+from accel._env import LaunchEnv, read_launch_env
+from accel.errors import ConfigError
+
+__all__ = [
+    "MixedPrecision",
+    "ProcessState",
+    "Scope",
+    "Strategy",
+    "current_gate",
+    "gated",
+    "resolve_policy",
+    "scope",
+    "set_state",
+    "state",
+]
+
+MixedPrecision = Literal["no", "fp16", "bf16", "fp8"]
+Strategy = Literal["none", "ddp", "fsdp"]
+
+_MIXED_PRECISION: tuple[str, ...] = get_args(MixedPrecision)
+_STRATEGIES: tuple[str, ...] = get_args(Strategy)
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def _frozen_mapping(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(value))
+
+
+@attrs.frozen(kw_only=True)
+class ProcessState:
+    """Where this process stands in the job, and the run-wide training policy.
+
+    Immutable: make a changed copy with ``attrs.evolve`` or a nested ``accel.distributed(...)``.
+
+    Example:
+        >>> st = accel.state()
+        >>> st.rank, st.world_size, st.is_main_process
+        (0, 1, True)
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    mixed_precision: MixedPrecision = "no"
+    gradient_accumulation_steps: int = 1
+    strategy: Strategy = "none"
+    debug: bool = False
+    timeout: float = DEFAULT_TIMEOUT_S
+    seed: int | None = None
+    options: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=_frozen_mapping, eq=False, repr=False
+    )
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on global rank 0."""
+        return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """True on the first process of each machine."""
+        return self.local_rank == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        """True on the highest global rank."""
+        return self.rank == self.world_size - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        """True when the job has more than one process."""
+        return self.world_size > 1
+
+
+@attrs.define(eq=False)
+class Scope:
+    """Mutable per-``distributed()`` record: facts shared by the functions of one scope.
+
+    Owned by the outermost ``distributed()`` block (shared by nested ones); never a global.
+    """
+
+    created_group: bool = False
+    trigger: bool = False
+    collective_seq: int = 0
+    extras: dict[str, Any] = attrs.field(factory=dict)
+
+
+_STATE: contextvars.ContextVar[ProcessState] = contextvars.ContextVar("accel_state")
+_SCOPE: contextvars.ContextVar[Scope] = contextvars.ContextVar("accel_scope")
+_GATE: contextvars.ContextVar[str | None] = contextvars.ContextVar("accel_gate", default=None)
+
+
+def state() -> ProcessState:
+    """The current process state.
+
+    Inside ``with accel.distributed(...)`` it is the block's state; outside it is derived from
+    an initialised ``torch.distributed`` group or the launch environment, with no side effects.
+
+    Example:
+        >>> if accel.state().is_main_process:
+        ...     print("only once")
+    """
+    current = _STATE.get(None)
+    if current is not None:
+        return current
+    return derive_state()
+
+
+def has_active_state() -> bool:
+    """Whether a ``distributed()`` block (or a test override) is active in this context."""
+    return _STATE.get(None) is not None
+
+
+@contextmanager
+def set_state(new: ProcessState, new_scope: Scope | None = None) -> Iterator[ProcessState]:
+    """Make ``new`` the state (and ``new_scope`` the scope) for the block, then restore."""
+    token = _STATE.set(new)
+    scope_token = _SCOPE.set(new_scope) if new_scope is not None else None
+    try:
+        yield new
+    finally:
+        if scope_token is not None:
+            _SCOPE.reset(scope_token)
+        _STATE.reset(token)
+
+
+def scope() -> Scope:
+    """The scope record of the active ``distributed()`` block (created on first use outside)."""
+    current = _SCOPE.get(None)
+    if current is None:
+        current = Scope()
+        _SCOPE.set(current)
+    return current
+
+
+def current_gate() -> str | None:
+    """The description of the rank gate this code runs inside, or ``None``."""
+    return _GATE.get()
+
+
+@contextmanager
+def gated(description: str) -> Iterator[None]:
+    """Mark the block as running on a subset of ranks (collectives inside raise)."""
+    token = _GATE.set(description)
+    try:
+        yield
+    finally:
+        _GATE.reset(token)
+
+
+def best_device(local_rank: int, *, cpu: bool = False) -> torch.device:
+    """CUDA device ``local_rank % device_count`` when CUDA is usable, else the CPU."""
+    if not cpu and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...], example: str) -> str:
+    if value not in choices:
+        raise ConfigError(
+            f"{name}={value!r} is not supported; choose one of {list(choices)}, "
+            f"e.g. `accel.distributed({name}={example!r})`."
+        )
+    return value
+
+
+def resolve_policy(
+    env: LaunchEnv,
+    *,
+    world_size: int,
+    mixed_precision: str | None = None,
+    gradient_accumulation_steps: int | None = None,
+    strategy: str | None = None,
+    debug: bool | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """Resolve the policy fields: explicit argument, then the environment, then defaults."""
+    mp = mixed_precision if mixed_precision is not None else env.mixed_precision
+    mp = _choice("mixed_precision", (mp or "no").lower(), _MIXED_PRECISION, "bf16")
+    gas = gradient_accumulation_steps
+    if gas is None:
+        gas = env.gradient_accumulation_steps if env.gradient_accumulation_steps else 1
+    if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
+        raise ConfigError(
+            f"gradient_accumulation_steps={gas!r} must be an integer >= 1, "
+            "e.g. `accel.distributed(gradient_accumulation_steps=4)`."
+        )
+    strat = strategy if strategy is not None else env.strategy
+    if strat is None:
+        strat = "ddp" if world_size > 1 else "none"
+    strat = _choice("strategy", strat.lower(), _STRATEGIES, "ddp")
+    dbg = debug if debug is not None else bool(env.debug)
+    to = timeout if timeout is not None else env.timeout
+    to = DEFAULT_TIMEOUT_S if to is None else float(to)
+    if to <= 0:
+        raise ConfigError(
+            f"timeout={to!r} must be a positive number of seconds, "
+            "e.g. `accel.distributed(timeout=600)`."
+        )
+    return {
+        "mixed_precision": mp,
+        "gradient_accumulation_steps": gas,
+        "strategy": strat,
+        "debug": dbg,
+        "timeout": to,
+    }
+
+
+def derive_state(env: LaunchEnv | None = None) -> ProcessState:
+    """The state outside any ``distributed()`` block; reads, never initialises anything."""
+    env = read_launch_env() if env is None else env
+    rank, world = env.rank, env.world_size
+    local_rank, local_world = env.local_rank, env.local_world_size
+    backend: str | None = None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank = torch.distributed.get_rank()
+        world = torch.distributed.get_world_size()
+        backend = str(torch.distributed.get_backend())
+        if env.world_size != world:  # group not made from this environment: one node
+            local_rank, local_world = rank, world
+    device = best_device(local_rank, cpu=bool(env.cpu) or backend == "gloo")
+    return ProcessState(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=rank // max(1, local_world),
+        num_nodes=max(1, -(-world // max(1, local_world))),
+        device=device,
+        backend=backend,
+        **resolve_policy(env, world_size=world),
+    )

@@ -1,0 +1,56 @@
+"""Errors that accel raises on purpose.
+
+Every error derives from :class:`AccelError` and from the builtin it specialises, so
+``except ValueError`` keeps working for code that does not know accel. Messages say what was
+wrong, the value received and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AccelError",
+    "CheckpointError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "ConfigError",
+    "GatedCollectiveError",
+    "MainProcessFirstError",
+    "NotDistributedError",
+    "RemoteError",
+]
+
+
+class AccelError(Exception):
+    """Base class of every error accel raises on purpose."""
+
+
+class ConfigError(AccelError, ValueError):
+    """An option, environment variable or config value is invalid."""
+
+
+class NotDistributedError(AccelError, RuntimeError):
+    """A collective needs a process group that does not exist."""
+
+
+class GatedCollectiveError(AccelError, RuntimeError):
+    """A collective was called inside a rank-gated function or block (it would hang)."""
+
+
+class CollectiveMismatchError(AccelError, ValueError):
+    """Ranks called a collective with different operations, shapes or dtypes (debug mode)."""
+
+
+class CollectiveTimeoutError(AccelError, TimeoutError):
+    """Some ranks never arrived at a collective (debug mode) or a run exceeded its timeout."""
+
+
+class MainProcessFirstError(AccelError, RuntimeError):
+    """The rank that ran first inside ``main_process_first`` raised; the others are released."""
+
+
+class RemoteError(AccelError, RuntimeError):
+    """An exception raised on another process that could not be sent back as itself."""
+
+
+class CheckpointError(AccelError, ValueError):
+    """A checkpoint is missing, incomplete, corrupted or does not match the objects."""
