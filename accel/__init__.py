@@ -25,11 +25,13 @@ from accel.errors import (
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it (loaded on first attribute access)
+# public name -> module that defines it (loaded on first attribute access). No module is named
+# like a public function: importing a submodule sets it as a package attribute, which would
+# shadow the function of the same name (hence process_group.py for distributed(), and so on).
 _LAZY: dict[str, str] = {
     "ProcessState": "accel._state",
     "state": "accel._state",
-    "distributed": "accel.distributed",
+    "distributed": "accel.process_group",
     "on_main_process": "accel.gating",
     "on_local_main_process": "accel.gating",
     "on_last_process": "accel.gating",
@@ -51,6 +53,33 @@ _LAZY: dict[str, str] = {
     "check_trigger": "accel.collectives",
     "gather_for_metrics": "accel.metrics",
     "set_seed": "accel.seeding",
+    # training path
+    "prepare": "accel.preparation",
+    "prepare_model": "accel.model",
+    "unwrap_model": "accel.model",
+    "prepare_optimizer": "accel.optim",
+    "prepare_scheduler": "accel.optim",
+    "clip_grad_norm_": "accel.optim",
+    "clip_grad_value_": "accel.optim",
+    "unscale_gradients": "accel.optim",
+    "optimizer_step_was_skipped": "accel.optim",
+    "autocast": "accel.precision",
+    "backward": "accel.accumulation",
+    "accumulate": "accel.accumulation",
+    "sync_gradients": "accel.accumulation",
+    "no_sync": "accel.accumulation",
+    "trigger_sync_in_backward": "accel.accumulation",
+    "prepare_data_loader": "accel.data",
+    "skip_first_batches": "accel.data",
+    # tracking, progress, profiling, memory
+    "tracking": "accel.trackers",
+    "log": "accel.trackers",
+    "get_tracker": "accel.trackers",
+    "progress": "accel.progress_bar",
+    "profile": "accel.profiling",
+    "find_executable_batch_size": "accel.memory",
+    "free_memory": "accel.memory",
+    "join_uneven_inputs": "accel.uneven",
 }
 
 __all__ = [
@@ -81,7 +110,7 @@ if TYPE_CHECKING:
         split_between_processes,
         wait_for_everyone,
     )
-    from accel.distributed import distributed
+    from accel.process_group import distributed
     from accel.gating import (
         get_logger,
         local_main_process_first,

@@ -105,6 +105,12 @@ class Scope:
     created_group: bool = False
     trigger: bool = False
     collective_seq: int = 0
+    # training path: whether the current step syncs gradients (accumulate() sets it; prepared
+    # optimizers/schedulers read it), the prepared loaders being iterated (innermost last;
+    # each has ``end_of_dataloader`` and ``remainder``), and the fp16 GradScaler if any.
+    sync_gradients: bool = True
+    active_loaders: list[Any] = attrs.field(factory=list)
+    grad_scaler: Any = None
     extras: dict[str, Any] = attrs.field(factory=dict)
 
 
