@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_namedtuple", "map_tensors", "tensor_leaves", "zip_map_tensors"]
+__all__ = ["first_non_tensor", "is_namedtuple", "map_tensors", "tensor_leaves", "zip_map_tensors"]
 
 
 def is_namedtuple(value: object) -> bool:
@@ -65,3 +65,27 @@ def tensor_leaves(data: Any) -> list[torch.Tensor]:
 
     map_tensors(visit, data)
     return leaves
+
+
+def first_non_tensor(data: Any) -> tuple[str, object] | None:
+    """The path and value of the first leaf of ``data`` that is not a tensor, or ``None``.
+
+    Example:
+        >>> first_non_tensor({"a": [torch.zeros(1), 3]})
+        ("['a'][1]", 3)
+    """
+    if isinstance(data, torch.Tensor):
+        return None
+    if isinstance(data, list | tuple):
+        for index, item in enumerate(data):
+            found = first_non_tensor(item)
+            if found is not None:
+                return f"[{index}]{found[0]}", found[1]
+        return None
+    if isinstance(data, Mapping):
+        for key, value in data.items():
+            found = first_non_tensor(value)
+            if found is not None:
+                return f"[{key!r}]{found[0]}", found[1]
+        return None
+    return "", data

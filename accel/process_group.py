@@ -1,0 +1,219 @@
+"""``distributed()``: set up (or join) the process group and set the state for a block."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from accel._env import LaunchEnv, read_launch_env
+from accel._state import (
+    ProcessState,
+    Scope,
+    best_device,
+    has_active_state,
+    resolve_policy,
+    scope,
+    set_state,
+    state,
+)
+from accel.errors import ConfigError
+
+__all__ = ["distributed"]
+
+_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
+
+
+def _as_seconds(timeout: float | datetime.timedelta | None) -> float | None:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return timeout
+
+
+def _pick_backend(requested: str | None, device: torch.device) -> str:
+    backend = requested or ("nccl" if device.type == "cuda" else "gloo")
+    if backend not in _BACKENDS:
+        raise ConfigError(
+            f"backend={backend!r} is not a torch.distributed backend; choose one of "
+            f"{list(_BACKENDS)}, e.g. `accel.distributed(backend='gloo')` for CPU."
+        )
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            "backend='nccl' needs CUDA devices, but this process runs on "
+            f"{str(device)!r}. Use `backend='gloo'` (the CPU default) or drop `cpu=True`."
+        )
+    return backend
+
+
+def _init_group(env: LaunchEnv, backend: str, timeout_s: float) -> None:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if env.launcher == "torchrun":
+        # torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT: join it.
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        return
+    addr = env.master_addr or "127.0.0.1"
+    port = env.master_port or 29500
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+    )
+
+
+def _nested(
+    current: ProcessState,
+    *,
+    fixed: dict[str, Any],
+    changes: dict[str, Any],
+    options: dict[str, Any],
+) -> ProcessState:
+    held_values = {
+        "backend": current.backend,
+        "cpu": current.device.type == "cpu",
+        "timeout": current.timeout,
+    }
+    for name, value in fixed.items():
+        if value is not None and value != held_values[name]:
+            raise ConfigError(
+                f"A nested `accel.distributed()` cannot change {name} (outer block: "
+                f"{held_values[name]!r}, requested: {value!r}): it reuses the outer process "
+                f"group. Pass {name} to the outermost `accel.distributed()` instead."
+            )
+    merged = {k: v if v is not None else getattr(current, k) for k, v in changes.items()}
+    policy = resolve_policy(
+        LaunchEnv(), world_size=current.world_size, timeout=current.timeout, **merged
+    )
+    return attrs.evolve(current, **policy, options={**current.options, **options})
+
+
+@contextmanager
+def distributed(
+    *,
+    backend: str | None = None,
+    mixed_precision: str | None = None,
+    gradient_accumulation_steps: int | None = None,
+    strategy: str | None = None,
+    cpu: bool = False,
+    timeout: float | datetime.timedelta | None = None,
+    debug: bool | None = None,
+    seed: int | None = None,
+    **options: Any,
+) -> Iterator[ProcessState]:
+    """Set up distributed training for the block and yield the process state.
+
+    Reads the launch environment (torchrun / ``accel launch``, SLURM, Open MPI / MPICH), picks
+    the device (CUDA ``local_rank % device_count``, else CPU) and the backend (nccl on CUDA,
+    gloo on CPU), initialises the process group unless one exists, and destroys on exit only a
+    group it created. Options not passed come from the ``ACCEL_*`` environment, then defaults.
+    Nested inside an active block, it reuses the group and scopes the changed options.
+
+    Args:
+        backend: torch.distributed backend; default nccl on CUDA, gloo on CPU.
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
+        gradient_accumulation_steps: optimizer steps happen every this many batches.
+        strategy: ``"none"``, ``"ddp"`` or ``"fsdp"``; default ddp with several processes.
+        cpu: run on the CPU even when CUDA is available.
+        timeout: seconds (or a timedelta) before a collective gives up; default 30 minutes.
+        debug: check every collective's shapes on all ranks first (also ``ACCEL_DEBUG=1``).
+        seed: seed python, numpy and torch RNGs identically on every rank.
+        **options: extra run-wide options, readable as ``accel.state().options``.
+
+    Raises:
+        ConfigError: an option or launch variable is invalid.
+
+    Example:
+        >>> with accel.distributed(mixed_precision="bf16") as st:
+        ...     print(st.rank, st.world_size, st.device)
+        0 1 cpu
+    """
+    timeout_s = _as_seconds(timeout)
+    changes: dict[str, Any] = {
+        "mixed_precision": mixed_precision,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "strategy": strategy,
+        "debug": debug,
+    }
+    if has_active_state():
+        fixed = {"backend": backend, "cpu": cpu or None, "timeout": timeout_s}
+        inner = _nested(state(), fixed=fixed, changes=changes, options=options)
+        with set_state(inner):
+            if seed is not None:
+                _seed(seed)
+            yield inner
+        return
+
+    env = read_launch_env()
+    use_cpu = cpu or bool(env.cpu)
+    created = False
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        group_backend: str | None = str(dist.get_backend())
+        local_rank, local_world = env.local_rank, env.local_world_size
+        if env.world_size != world:  # the user made the group without launcher variables
+            local_rank, local_world = rank, world
+        device = best_device(local_rank, cpu=use_cpu or group_backend == "gloo")
+    else:
+        rank, world = env.rank, env.world_size
+        local_rank, local_world = env.local_rank, env.local_world_size
+        device = best_device(local_rank, cpu=use_cpu)
+        group_backend = None
+        if world > 1:
+            if not dist.is_available():
+                raise ConfigError(
+                    f"The launcher started {world} processes but this torch build has no "
+                    "torch.distributed. Install a torch build with distributed support."
+                )
+            group_backend = _pick_backend(backend or env.backend, device)
+    policy = resolve_policy(
+        env,
+        world_size=world,
+        mixed_precision=mixed_precision,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        strategy=strategy,
+        debug=debug,
+        timeout=timeout_s,
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if group_backend is not None and not dist.is_initialized():
+        _init_group(env, group_backend, policy["timeout"])
+        created = True
+    current = ProcessState(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=env.node_rank if world == env.world_size else rank // max(1, local_world),
+        num_nodes=env.num_nodes if world == env.world_size else 1,
+        device=device,
+        backend=group_backend,
+        seed=seed,
+        options=options,
+        **policy,
+    )
+    try:
+        with set_state(current, Scope(created_group=created)):
+            if seed is not None:
+                _seed(seed)
+            yield current
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _seed(seed: int) -> None:
+    from accel.seeding import set_seed
+
+    set_seed(seed)
+
+
+def owns_group() -> bool:
+    """Whether the active ``distributed()`` block created the process group."""
+    return scope().created_group
