@@ -130,11 +130,12 @@ class AutocastForward:
     ``with accel.distributed(mixed_precision="no"):`` block runs it in full precision.
     """
 
-    __slots__ = ("__wrapped__", "original")
+    __slots__ = ("__wrapped__", "instance_attribute", "original")
 
-    def __init__(self, original: Callable[..., Any]) -> None:
+    def __init__(self, original: Callable[..., Any], *, instance_attribute: bool = False) -> None:
         self.original = original
         self.__wrapped__ = original
+        self.instance_attribute = instance_attribute  # original was an instance attribute
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         st = state()

@@ -1,0 +1,240 @@
+"""Gradient accumulation and the backward pass.
+
+Where things live:
+
+- the sync flag (does this batch end an optimizer step?): ``accel._state.scope()
+  .sync_gradients``, set by :func:`accumulate` at the start of each block and left as it is
+  after the block (so ``if accel.sync_gradients():`` after the block works, as in Accelerate);
+- the accumulation counter: on the first model given to :func:`accumulate` (the
+  ``_accel_accumulation_step`` entry of its ``__dict__``), or in ``scope().extras`` when it
+  is called without models;
+- the fp16 GradScaler that :func:`backward` scales the loss with: ``scope().grad_scaler``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from accel._state import scope, state
+
+__all__ = ["accumulate", "backward", "no_sync", "sync_gradients", "trigger_sync_in_backward"]
+
+_COUNTER = "_accel_accumulation_step"
+_SCOPE_COUNTER = "accel.accumulation_step"
+
+
+def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+    """Backpropagate ``loss``: divided by the accumulation steps, scaled under fp16.
+
+    Use it in place of ``loss.backward()``. With ``gradient_accumulation_steps=k > 1`` the
+    loss is divided by ``k`` so the accumulated gradient is the mean over the ``k`` batches;
+    under ``mixed_precision="fp16"`` (once an optimizer is prepared) it is multiplied by the
+    GradScaler's scale, which the prepared optimizer removes before stepping.
+
+    Args:
+        loss: a scalar tensor.
+        **kwargs: passed to :meth:`torch.Tensor.backward` (``retain_graph=True``...).
+
+    Example:
+        >>> loss = loss_fn(model(x), y)
+        >>> accel.backward(loss)
+    """
+    steps = state().gradient_accumulation_steps
+    if steps > 1:
+        loss = loss / steps
+    scaler = scope().grad_scaler
+    if scaler is not None:
+        loss = scaler.scale(loss)
+    loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+
+
+def sync_gradients() -> bool:
+    """Whether the current batch ends an optimizer step (gradients are synchronised).
+
+    ``True`` outside :func:`accumulate`. After an ``accumulate`` block it keeps the block's
+    value, e.g. to count optimizer steps.
+
+    Example:
+        >>> with accel.accumulate(model):
+        ...     ...
+        >>> if accel.sync_gradients():
+        ...     completed_steps += 1
+    """
+    return scope().sync_gradients
+
+
+def _ddp_no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any] | None:
+    """The context that turns off gradient sync for ``model``, or ``None`` if it has none."""
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    set_sync = getattr(type(model), "set_requires_gradient_sync", None)
+    if set_sync is not None:  # FSDP2 (fully_shard) modules
+        return _fsdp2_sync(model, False)
+    return None
+
+
+@contextmanager
+def _fsdp2_sync(model: Any, requires_sync: bool) -> Iterator[None]:
+    model.set_requires_gradient_sync(requires_sync)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(not requires_sync)
+
+
+class _Accumulate:
+    """The context manager :func:`accumulate` returns (a class: nothing allocated per step
+    beyond this object, and nothing at all for models without gradient sync)."""
+
+    __slots__ = ("_exits", "_models")
+
+    def __init__(self, models: tuple[nn.Module, ...]) -> None:
+        self._models = models
+        self._exits: list[contextlib.AbstractContextManager[Any]] | None = None
+
+    def __enter__(self) -> bool:
+        sc = scope()
+        steps = state().gradient_accumulation_steps
+        loaders = sc.active_loaders
+        end = loaders[-1].end_of_dataloader if loaders else False
+        models = self._models
+        if models:
+            counters = models[0].__dict__
+            key = _COUNTER
+        else:
+            counters = sc.extras
+            key = _SCOPE_COUNTER
+        if end:
+            counters[key] = 0
+            sync = True
+        else:
+            step = (counters.get(key, 0) + 1) % steps  # batches since the last sync step
+            counters[key] = step
+            sync = step == 0
+        sc.sync_gradients = sync
+        if not sync:
+            for model in models:
+                context = _ddp_no_sync(model)
+                if context is not None:
+                    context.__enter__()
+                    if self._exits is None:
+                        self._exits = []
+                    self._exits.append(context)
+        return sync
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        exits = self._exits
+        if exits is not None:
+            self._exits = None
+            for context in reversed(exits):
+                context.__exit__(exc_type, exc, tb)
+
+
+def accumulate(*models: nn.Module) -> contextlib.AbstractContextManager[bool]:
+    """Accumulate gradients over ``gradient_accumulation_steps`` batches; yields the sync flag.
+
+    Each entry counts one batch. The block is a sync step (the optimizer really steps, the
+    scheduler advances, ``zero_grad`` clears) every ``gradient_accumulation_steps`` entries,
+    and always on the last batch of the innermost prepared data loader being iterated (the
+    count then restarts, so an epoch's remainder batches are not carried over). On the other
+    entries DDP's gradient all-reduce is off for the given models (``model.no_sync()``; FSDP2
+    modules use ``set_requires_gradient_sync``); plain modules need nothing. Put the forward
+    pass inside the block: DDP decides in its forward whether the backward synchronises.
+
+    The count lives on the first model given (or in the scope when no model is given).
+
+    Args:
+        *models: the prepared models trained in the block.
+
+    Returns:
+        A context manager whose value is ``True`` on sync steps.
+
+    Example:
+        >>> for x, y in loader:
+        ...     with accel.accumulate(model):
+        ...         accel.backward(loss_fn(model(x), y))
+        ...         optimizer.step()
+        ...         scheduler.step()
+        ...         optimizer.zero_grad()
+    """
+    return _Accumulate(models)
+
+
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """Turn off gradient synchronisation across ranks for ``model`` in the block.
+
+    DDP models use :meth:`DistributedDataParallel.no_sync`, FSDP2 modules
+    ``set_requires_gradient_sync(False)``; on other modules (one process) it does nothing.
+    Gradients accumulate locally; the next backward outside the block synchronises them.
+
+    Args:
+        model: a prepared model.
+
+    Returns:
+        A context manager.
+
+    Example:
+        >>> with accel.no_sync(model):
+        ...     accel.backward(loss_fn(model(x1), y1))  # local only
+        >>> accel.backward(loss_fn(model(x2), y2))      # synchronises both
+    """
+    context = _ddp_no_sync(model)
+    return contextlib.nullcontext() if context is None else context
+
+
+@contextmanager
+def _ddp_trigger_sync(model: DistributedDataParallel) -> Iterator[None]:
+    old_backward = model.require_backward_grad_sync
+    old_forward = model.require_forward_param_sync
+    model.require_backward_grad_sync = True
+    model.require_forward_param_sync = True
+    # The forward ran under no_sync, so the reducer was not told to expect a backward; tell it
+    # now, as DDP's own forward does on a sync step (all parameters are taken as used).
+    model.reducer.prepare_for_backward([])
+    try:
+        yield
+    finally:
+        model.require_backward_grad_sync = old_backward
+        model.require_forward_param_sync = old_forward
+
+
+def trigger_sync_in_backward(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """Make the next backward synchronise gradients though its forward ran under no_sync.
+
+    For a loop that runs several forwards under :func:`no_sync` and wants the last backward to
+    all-reduce the accumulated gradients. On DDP it re-arms the reducer (experimental in
+    Accelerate too: all parameters are taken as used, so ``find_unused_parameters`` models are
+    not supported); FSDP2 modules turn ``set_requires_gradient_sync(True)`` on for the block;
+    on other modules it does nothing.
+
+    Args:
+        model: a prepared model.
+
+    Returns:
+        A context manager.
+
+    Example:
+        >>> with accel.no_sync(model):
+        ...     loss_a = loss_fn(model(x_a)); loss_b = loss_fn(model(x_b))
+        >>> accel.backward(loss_a)                      # local only
+        >>> with accel.trigger_sync_in_backward(model):
+        ...     accel.backward(loss_b)                  # all-reduces the sum
+    """
+    if isinstance(model, DistributedDataParallel):
+        return _ddp_trigger_sync(model)
+    if getattr(type(model), "set_requires_gradient_sync", None) is not None:
+        return _fsdp2_sync(model, True)
+    return contextlib.nullcontext()

@@ -1,0 +1,206 @@
+"""Prepare a model for the run (device, mixed precision forward, DDP, compile) and unwrap it.
+
+FSDP2 (``strategy="fsdp"``, ``torch.distributed.fsdp.fully_shard``) belongs in its own module
+(``accel/fsdp.py``, a later piece of work); :func:`prepare_model` raises a clear error for it
+until then. Nothing else in the training path assumes DDP: accumulation, clipping and the
+optimizer wrapper work on any module.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from accel._state import state
+from accel.errors import AccelError, ConfigError
+from accel.precision import AutocastForward
+
+__all__ = ["StrategyNotImplementedError", "is_prepared", "prepare_model", "unwrap_model"]
+
+# Attribute names kept in a module's __dict__ (written there directly: nn.Module.__setattr__
+# would register a module value as a submodule, and is slower).
+_PREPARED = "_accel_prepared"  # weakref to the object prepare_model returned
+_STRATEGIES = ("none", "ddp", "fsdp")
+
+
+class StrategyNotImplementedError(AccelError, NotImplementedError):
+    """The requested parallelism strategy is not available in this version of accel."""
+
+
+def is_prepared(model: nn.Module) -> bool:
+    """Whether ``model`` was returned by (or given to) :func:`prepare_model`.
+
+    Example:
+        >>> is_prepared(accel.prepare_model(nn.Linear(2, 2)))
+        True
+    """
+    return _prepared_result(model) is not None
+
+
+def _prepared_result(model: nn.Module) -> nn.Module | None:
+    ref = model.__dict__.get(_PREPARED)
+    return ref() if ref is not None else None
+
+
+def _mark(module: nn.Module, result: nn.Module) -> None:
+    module.__dict__[_PREPARED] = weakref.ref(result)
+
+
+def _resolve_strategy(strategy: str | None) -> str:
+    chosen = state().strategy if strategy is None else strategy
+    if chosen not in _STRATEGIES:
+        raise ConfigError(
+            f"strategy={chosen!r} is not supported; choose one of {list(_STRATEGIES)}, "
+            "e.g. `accel.prepare_model(model, strategy='ddp')`."
+        )
+    if chosen == "fsdp":
+        raise StrategyNotImplementedError(
+            "strategy='fsdp' (FSDP2 sharding with torch.distributed.fsdp.fully_shard) is not "
+            "implemented yet in accel: it is planned work for `accel/fsdp.py`. Use "
+            "`strategy='ddp'` (the multi-process default) until it lands."
+        )
+    return chosen
+
+
+def _install_autocast_forward(module: nn.Module) -> None:
+    current = module.__dict__.get("forward")
+    if isinstance(current, AutocastForward):
+        return
+    module.__dict__["forward"] = AutocastForward(
+        module.forward, instance_attribute=current is not None
+    )
+
+
+def _compiled_inner(model: nn.Module) -> nn.Module | None:
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    if dynamo is None:  # nothing was compiled in this process
+        return None
+    if isinstance(model, dynamo.OptimizedModule):
+        inner: nn.Module = model._orig_mod
+        return inner
+    return None
+
+
+def _wrap_ddp(module: nn.Module, device: torch.device, options: dict[str, Any]) -> nn.Module:
+    if device.type == "cuda" and device.index is not None:
+        options = {"device_ids": [device.index], "output_device": device.index, **options}
+    return DistributedDataParallel(module, **options)
+
+
+def prepare_model(
+    model: nn.Module,
+    *,
+    device_placement: bool = True,
+    strategy: Literal["none", "ddp", "fsdp"] | None = None,
+    compile: bool = False,
+    evaluation_mode: bool = False,
+    **strategy_options: Any,
+) -> nn.Module:
+    """Make ``model`` ready for the run: device, mixed precision forward, DDP, compile.
+
+    In order: the model moves to ``accel.state().device``; under mixed precision (bf16/fp16)
+    its ``forward`` is wrapped once to run in autocast and return floating outputs as fp32
+    (Accelerate's ``convert_outputs_to_fp32``); with several processes and the ``"ddp"``
+    strategy it is wrapped in :class:`~torch.nn.parallel.DistributedDataParallel` (gloo on
+    CPU without ``device_ids``, CUDA with ``device_ids=[device.index]``) unless
+    ``evaluation_mode`` is set or it has no trainable parameter; ``compile=True`` applies
+    :func:`torch.compile` last. Preparing the result (or the original module) again returns
+    the same object.
+
+    Args:
+        model: the user's module.
+        device_placement: move the model to the state's device.
+        strategy: ``"none"``, ``"ddp"`` or ``"fsdp"``; default ``accel.state().strategy``.
+        compile: wrap the result with :func:`torch.compile`.
+        evaluation_mode: prepare for inference only (no DDP wrapper).
+        **strategy_options: keyword arguments for the strategy's wrapper, e.g.
+            ``find_unused_parameters=True`` or ``bucket_cap_mb=50`` for DDP.
+
+    Returns:
+        The module to train with (the model itself, a DDP wrapper, or a compiled module).
+
+    Raises:
+        ConfigError: unknown strategy, or strategy options without a wrapper to take them.
+        StrategyNotImplementedError: ``strategy="fsdp"`` (not implemented yet).
+
+    Example:
+        >>> with accel.distributed(mixed_precision="bf16"):
+        ...     model = accel.prepare_model(nn.Linear(4, 2))
+        ...     model(torch.ones(1, 4)).dtype
+        torch.float32
+    """
+    existing = _prepared_result(model)
+    if existing is not None:
+        return existing
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"prepare_model expects a torch.nn.Module, got {type(model).__name__!r}. "
+            "Pass the model itself, e.g. `accel.prepare_model(model)`."
+        )
+    chosen = _resolve_strategy(strategy)
+    st = state()
+    if device_placement:
+        model = model.to(st.device)
+    if st.mixed_precision != "no":
+        _install_autocast_forward(model)
+    result: nn.Module = model
+    wants_ddp = (
+        chosen == "ddp"
+        and st.world_size > 1
+        and not evaluation_mode
+        and any(p.requires_grad for p in model.parameters())
+    )
+    if wants_ddp:
+        result = _wrap_ddp(model, st.device, strategy_options)
+    elif strategy_options:
+        raise ConfigError(
+            f"strategy options {sorted(strategy_options)!r} were given but no strategy "
+            f"wrapper applies (strategy={chosen!r}, world_size={st.world_size}, "
+            f"evaluation_mode={evaluation_mode}). Drop them, or run with several processes "
+            "(`accel launch --nproc-per-node 2 script.py`)."
+        )
+    if compile:
+        result = torch.compile(result)  # type: ignore[assignment]
+    _mark(model, result)
+    if result is not model:
+        _mark(result, result)
+    return result
+
+
+def unwrap_model(model: nn.Module, *, keep_fp32_wrapper: bool = True) -> nn.Module:
+    """The user's module inside a prepared model (through DDP and ``torch.compile``).
+
+    Args:
+        model: a prepared (or plain) module.
+        keep_fp32_wrapper: when ``False``, also put back the module's original ``forward``
+            (removing the mixed precision wrapper, in place), e.g. before exporting it.
+
+    Returns:
+        The innermost user module.
+
+    Example:
+        >>> prepared = accel.prepare_model(net)
+        >>> accel.unwrap_model(prepared) is net
+        True
+    """
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+            continue
+        inner = _compiled_inner(model)
+        if inner is None:
+            break
+        model = inner
+    if not keep_fp32_wrapper:
+        forward = model.__dict__.get("forward")
+        if isinstance(forward, AutocastForward):
+            if forward.instance_attribute:  # the user had set an instance forward: keep it
+                model.__dict__["forward"] = forward.original
+            else:
+                del model.__dict__["forward"]
+    return model

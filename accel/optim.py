@@ -1,0 +1,537 @@
+"""Prepared optimizers and schedulers, the fp16 GradScaler, and gradient clipping.
+
+Where things live:
+
+- whether the current batch is a sync step: ``accel._state.scope().sync_gradients`` (set by
+  ``accel.accumulate``; ``True`` when no accumulation is used);
+- the fp16 :class:`torch.amp.GradScaler`: ``scope().grad_scaler``, one per ``distributed()``
+  scope, created by the first :func:`prepare_optimizer` under ``mixed_precision="fp16"``.
+  Save and restore it with :func:`scaler_state_dict` / :func:`load_scaler_state_dict`;
+- the optimizers prepared in the scope: weak references in
+  ``scope().extras["accel.optimizers"]`` (for :func:`unscale_gradients` with no argument and
+  for schedulers to find their optimizer);
+- per-optimizer facts (last step skipped, gradients already unscaled this step): attributes
+  of the :class:`PreparedOptimizer`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from accel._state import scope, state
+
+__all__ = [
+    "PreparedOptimizer",
+    "PreparedScheduler",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "load_scaler_state_dict",
+    "optimizer_step_was_skipped",
+    "prepare_optimizer",
+    "prepare_scheduler",
+    "scaler_state_dict",
+    "unscale_gradients",
+]
+
+_REGISTRY = "accel.optimizers"
+
+Params = torch.Tensor | Iterable[torch.Tensor]
+
+
+class _StepRecorder:
+    """Optimizer step post-hook, registered once: notes that the real ``step()`` ran."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: PreparedOptimizer) -> None:
+        self.target = weakref.ref(target)
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        prepared = self.target()
+        if prepared is not None:
+            prepared._stepped = True
+
+
+class PreparedOptimizer(torch.optim.Optimizer):
+    """The user's optimizer, stepping only on sync steps and through the fp16 GradScaler.
+
+    ``state``, ``param_groups``, ``defaults``, ``state_dict()``, ``load_state_dict()`` and
+    ``add_param_group()`` act on the user's optimizer (:attr:`optimizer`); other attributes
+    are looked up there too. Made by :func:`prepare_optimizer`.
+    """
+
+    def __init__(self, optimizer: Any, scaler: torch.amp.GradScaler | None) -> None:
+        # torch.optim.Optimizer.__init__ is not called: this object holds no parameters.
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.step_was_skipped = False
+        self._stepped = False
+        self._unscaled = False
+        self._hook: Any = None
+        if scaler is not None and isinstance(optimizer, torch.optim.Optimizer):
+            # Once, at prepare time: lets step() tell a skipped step without patching.
+            self._hook = optimizer.register_step_post_hook(_StepRecorder(self))
+
+    # -- pass-throughs -------------------------------------------------------------------
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def param_groups(self) -> Any:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: Any) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> Any:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: Any) -> None:
+        self.optimizer.defaults = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """The user's optimizer's state dict."""
+        result: dict[str, Any] = self.optimizer.state_dict()
+        return result
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the user's optimizer."""
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the user's optimizer."""
+        self.optimizer.add_param_group(param_group)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            inner = self.__dict__["optimizer"]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(inner, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "A prepared optimizer cannot be pickled; save `optimizer.state_dict()` instead "
+            "(or use `accel.save_state`)."
+        )
+
+    def __repr__(self) -> str:
+        return f"PreparedOptimizer({self.optimizer!r})"
+
+    # -- the hot path --------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Zero the gradients, except while gradients are being accumulated."""
+        if not scope().sync_gradients:
+            return
+        if set_to_none is None:
+            self.optimizer.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """Step the user's optimizer on sync steps (through the GradScaler under fp16)."""
+        if not scope().sync_gradients:
+            return None
+        scaler = self.scaler
+        if scaler is None:
+            if closure is None:
+                return self.optimizer.step()
+            return self.optimizer.step(closure)
+        if self._hook is not None:
+            self._stepped = False
+            result = scaler.step(self.optimizer) if closure is None else scaler.step(
+                self.optimizer, closure
+            )
+            scaler.update()
+            self.step_was_skipped = not self._stepped
+        else:  # not a torch Optimizer (no hooks): a skipped step lowers the scale
+            before = scaler.get_scale()
+            result = scaler.step(self.optimizer) if closure is None else scaler.step(
+                self.optimizer, closure
+            )
+            scaler.update()
+            self.step_was_skipped = scaler.get_scale() < before
+        self._unscaled = False
+        return result
+
+
+def _registry() -> list[weakref.ref[PreparedOptimizer]]:
+    extras = scope().extras
+    refs: list[weakref.ref[PreparedOptimizer]] | None = extras.get(_REGISTRY)
+    if refs is None:
+        refs = extras[_REGISTRY] = []
+    return refs
+
+
+def _prepared_optimizers() -> list[PreparedOptimizer]:
+    refs = scope().extras.get(_REGISTRY)
+    if not refs:
+        return []
+    alive = [opt for opt in (ref() for ref in refs) if opt is not None]
+    return alive
+
+
+def _find_prepared(optimizer: Any) -> PreparedOptimizer | None:
+    if isinstance(optimizer, PreparedOptimizer):
+        return optimizer
+    for prepared in _prepared_optimizers():
+        if prepared.optimizer is optimizer:
+            return prepared
+    return None
+
+
+def _place_state(optimizer: Any, device: torch.device) -> None:
+    opt_state = getattr(optimizer, "state", None)
+    if not opt_state:
+        return
+    misplaced = any(
+        isinstance(value, torch.Tensor) and value.device != device and value.dim() > 0
+        for per_param in opt_state.values()
+        for value in per_param.values()
+    )
+    if misplaced:  # load_state_dict casts the state to each parameter's device
+        optimizer.load_state_dict(optimizer.state_dict())
+
+
+def prepare_optimizer(optimizer: Any, *, device_placement: bool = True) -> PreparedOptimizer:
+    """Wrap ``optimizer`` so it steps only on sync steps, through a GradScaler under fp16.
+
+    ``step()`` and ``zero_grad()`` do nothing while gradients are being accumulated
+    (``accel.sync_gradients()`` is ``False``). Under ``mixed_precision="fp16"`` the scope's
+    :class:`torch.amp.GradScaler` (created here on the state's device type, CPU included)
+    unscales the gradients, skips the step when they hold inf/nan, and updates the scale;
+    :func:`optimizer_step_was_skipped` then reports it. Preparing the same optimizer twice in a
+    scope returns the same wrapper.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` (or an object with ``step``/``zero_grad``).
+        device_placement: move existing optimizer state (e.g. loaded from a checkpoint) to the
+            parameters' devices.
+
+    Returns:
+        A :class:`PreparedOptimizer` (a ``torch.optim.Optimizer``) around the user's one.
+
+    Raises:
+        TypeError: ``optimizer`` has no ``step``/``zero_grad``.
+
+    Example:
+        >>> optimizer = accel.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> accel.backward(model(x).sum()); optimizer.step(); optimizer.zero_grad()
+    """
+    existing = _find_prepared(optimizer)
+    if existing is not None:
+        return existing
+    if not (callable(getattr(optimizer, "step", None))
+            and callable(getattr(optimizer, "zero_grad", None))):
+        raise TypeError(
+            f"prepare_optimizer expects a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__!r}. Pass the optimizer, e.g. "
+            "`accel.prepare_optimizer(torch.optim.AdamW(model.parameters()))`."
+        )
+    st = state()
+    sc = scope()
+    scaler: torch.amp.GradScaler | None = None
+    if st.mixed_precision == "fp16":
+        scaler = sc.grad_scaler
+        if scaler is None:
+            scaler = sc.grad_scaler = torch.amp.GradScaler(st.device.type)
+    if device_placement:
+        _place_state(optimizer, st.device)
+    prepared = PreparedOptimizer(optimizer, scaler)
+    refs = _registry()
+    refs[:] = [ref for ref in refs if ref() is not None]
+    refs.append(weakref.ref(prepared))
+    return prepared
+
+
+def optimizer_step_was_skipped(optimizer: Any) -> bool:
+    """Whether the optimizer's last sync step was skipped (fp16 inf/nan gradients).
+
+    Args:
+        optimizer: a prepared optimizer (or the user's optimizer it wraps).
+
+    Returns:
+        ``True`` when the GradScaler skipped the last step; ``False`` otherwise and for
+        optimizers that were not prepared.
+
+    Example:
+        >>> optimizer.step()
+        >>> if accel.optimizer_step_was_skipped(optimizer):
+        ...     print("overflow: step skipped, scale lowered")
+    """
+    prepared = _find_prepared(optimizer)
+    return prepared is not None and prepared.step_was_skipped
+
+
+def scaler_state_dict() -> dict[str, Any] | None:
+    """The scope's fp16 GradScaler state (scale, growth tracker...), or ``None`` if none.
+
+    Example:
+        >>> saved = scaler_state_dict()
+        >>> load_scaler_state_dict(saved)  # later, e.g. after a restart
+    """
+    scaler = scope().grad_scaler
+    if scaler is None:
+        return None
+    result: dict[str, Any] = scaler.state_dict()
+    return result
+
+
+def load_scaler_state_dict(state_dict: dict[str, Any] | None) -> None:
+    """Restore the scope's fp16 GradScaler from :func:`scaler_state_dict`'s value.
+
+    ``None`` or an empty dict (saved without fp16) leaves it as it is. When the scope has no
+    scaler yet (no optimizer prepared under fp16), one is created on the state's device.
+
+    Example:
+        >>> load_scaler_state_dict(saved)
+    """
+    if not state_dict:
+        return
+    sc = scope()
+    if sc.grad_scaler is None:
+        sc.grad_scaler = torch.amp.GradScaler(state().device.type)
+    sc.grad_scaler.load_state_dict(state_dict)
+
+
+# -- gradient unscaling and clipping ------------------------------------------------------
+def _as_list(parameters: Params) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    return list(parameters)
+
+
+def unscale_gradients(optimizer: Any = None) -> None:
+    """Divide the fp16-scaled gradients by the loss scale, once per optimizer step.
+
+    A no-op without an fp16 GradScaler, on non-sync steps (gradients are still being
+    accumulated: unscaling them now would mix scaled and unscaled sums), and for an optimizer
+    already unscaled since its last step. :func:`clip_grad_norm_` calls it for you.
+
+    Args:
+        optimizer: a prepared optimizer, the user's optimizer, or a list of them; ``None``
+            unscales every optimizer prepared in this scope.
+
+    Example:
+        >>> accel.backward(loss)
+        >>> accel.unscale_gradients(optimizer)
+        >>> grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    """
+    sc = scope()
+    if sc.grad_scaler is None or not sc.sync_gradients:
+        return
+    if optimizer is None:
+        targets: list[Any] = _prepared_optimizers()
+    elif isinstance(optimizer, list | tuple):
+        targets = list(optimizer)
+    else:
+        targets = [optimizer]
+    for target in targets:
+        prepared = _find_prepared(target)
+        if prepared is None:  # not prepared: the caller manages the scaler's stage
+            sc.grad_scaler.unscale_(target)
+            continue
+        if prepared.scaler is None or prepared._unscaled:
+            continue
+        prepared.scaler.unscale_(prepared.optimizer)
+        prepared._unscaled = True
+
+
+def clip_grad_norm_(
+    parameters: Params, max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Clip the gradients' total norm, unscaling fp16 gradients first (once per step).
+
+    Use it in place of :func:`torch.nn.utils.clip_grad_norm_`; it works for DDP and FSDP2
+    (DTensor) parameters alike. On a non-sync step (inside ``accel.accumulate`` while
+    gradients are still being accumulated) it does not clip and returns the total norm of
+    the gradients accumulated so far on this rank (in unscaled units). Accelerate clips
+    those partial sums; accel does not, because the clip belongs to the gradient the
+    optimizer will use, and unscaling a partial fp16 sum would break the GradScaler.
+
+    Args:
+        parameters: tensors (or one tensor) whose ``.grad`` to clip.
+        max_norm: the largest total norm allowed.
+        norm_type: the p of the p-norm (``float("inf")`` for the max norm).
+
+    Returns:
+        The total norm of the gradients before clipping (a tensor).
+
+    Example:
+        >>> accel.backward(loss)
+        >>> norm = accel.clip_grad_norm_(model.parameters(), 1.0)
+        >>> optimizer.step()
+    """
+    params = _as_list(parameters)
+    sc = scope()
+    if not sc.sync_gradients:
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        if sc.grad_scaler is not None and sc.grad_scaler.is_enabled():
+            norm = norm / sc.grad_scaler.get_scale()
+        return norm
+    unscale_gradients()
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+
+def clip_grad_value_(parameters: Params, clip_value: float) -> None:
+    """Clip every gradient element to ``[-clip_value, clip_value]``, unscaling fp16 first.
+
+    Use it in place of :func:`torch.nn.utils.clip_grad_value_`. Like :func:`clip_grad_norm_`,
+    it does nothing on a non-sync step.
+
+    Args:
+        parameters: tensors (or one tensor) whose ``.grad`` to clip.
+        clip_value: the largest absolute value allowed.
+
+    Example:
+        >>> accel.backward(loss)
+        >>> accel.clip_grad_value_(model.parameters(), 0.5)
+    """
+    if not scope().sync_gradients:
+        return
+    unscale_gradients()
+    torch.nn.utils.clip_grad_value_(_as_list(parameters), clip_value)
+
+
+# -- schedulers ---------------------------------------------------------------------------
+class PreparedScheduler(LRScheduler):
+    """The user's scheduler, stepping with its optimizer's real steps.
+
+    ``state_dict()``, ``load_state_dict()``, ``get_last_lr()`` and other attributes act on
+    the user's scheduler (:attr:`scheduler`). Made by :func:`prepare_scheduler`.
+    """
+
+    def __init__(
+        self,
+        scheduler: Any,
+        *,
+        step_with_optimizer: bool,
+        split_batches: bool | None,
+    ) -> None:
+        # LRScheduler.__init__ is not called: this object holds no schedule of its own.
+        self.scheduler = scheduler
+        self.step_with_optimizer = step_with_optimizer
+        self.split_batches = split_batches
+        self._per_batch = not isinstance(scheduler, ReduceLROnPlateau)
+        self._optimizer: PreparedOptimizer | None = _find_prepared(
+            getattr(scheduler, "optimizer", None)
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            inner = self.__dict__["scheduler"]
+        except KeyError:
+            raise AttributeError(name) from None
+        return getattr(inner, name)
+
+    def __repr__(self) -> str:
+        return f"PreparedScheduler({self.scheduler!r})"
+
+    def state_dict(self) -> dict[str, Any]:
+        """The user's scheduler's state dict."""
+        result: dict[str, Any] = self.scheduler.state_dict()
+        return result
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the user's scheduler."""
+        self.scheduler.load_state_dict(state_dict)
+
+    def get_last_lr(self) -> list[Any]:
+        """The user's scheduler's last learning rates."""
+        result: list[Any] = self.scheduler.get_last_lr()
+        return result
+
+    def get_lr(self) -> list[Any]:
+        """The user's scheduler's ``get_lr()``."""
+        result: list[Any] = self.scheduler.get_lr()
+        return result
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Advance the schedule if the optimizer really stepped (see :func:`prepare_scheduler`)."""
+        scheduler = self.scheduler
+        if not self.step_with_optimizer:
+            scheduler.step(*args, **kwargs)
+            return
+        sc = scope()
+        if not sc.sync_gradients:
+            return
+        optimizer = self._optimizer
+        if optimizer is None:  # prepared before its optimizer: look again
+            optimizer = self._optimizer = _find_prepared(getattr(scheduler, "optimizer", None))
+        if optimizer is not None and optimizer.step_was_skipped:
+            return
+        split = self.split_batches
+        if split is None:
+            loaders = sc.active_loaders
+            split = bool(getattr(loaders[-1], "split_batches", False)) if loaders else False
+        repeats = 1 if split or not self._per_batch else state().world_size
+        for _ in range(repeats):
+            total = getattr(scheduler, "total_steps", None)
+            if total is not None and scheduler.last_epoch >= total:
+                break  # OneCycleLR-style: stepping past total_steps would raise
+            scheduler.step(*args, **kwargs)
+
+
+def prepare_scheduler(
+    scheduler: Any,
+    *,
+    step_with_optimizer: bool = True,
+    split_batches: bool | None = None,
+) -> PreparedScheduler:
+    """Wrap ``scheduler`` so it advances with its optimizer's real steps.
+
+    ``step()`` does nothing on non-sync steps (gradient accumulation) and when the optimizer's
+    last step was skipped (fp16 overflow).
+
+    **IMPORTANT — it advances ``world_size`` scheduler steps per optimizer step** when batches
+    are not split (``split_batches=False``, the default of prepared data loaders). This is
+    Accelerate's rule, on purpose: with N processes each optimizer step consumes N batches
+    (one per rank), so the loader has N times fewer steps per epoch than in a single process.
+    A schedule written for the single-process number of batches (``total_steps=len(loader) *
+    epochs`` computed before ``prepare``) therefore still finishes on time. With
+    ``split_batches=True`` each step consumes one global batch and the scheduler steps once.
+    Schedulers with ``total_steps`` (``OneCycleLR``) stop at the end instead of raising when a
+    last partial round would step past it. ``ReduceLROnPlateau`` (stepped with a metric, not
+    per batch) steps once.
+
+    Args:
+        scheduler: a ``torch.optim.lr_scheduler.LRScheduler`` built on the optimizer (the
+            user's or the prepared one).
+        step_with_optimizer: ``False`` makes ``step()`` a plain, unconditional step.
+        split_batches: whether each batch is split across the ranks; ``None`` reads the
+            ``split_batches`` of the innermost prepared loader being iterated (``False`` when
+            none is).
+
+    Returns:
+        A :class:`PreparedScheduler` (an ``LRScheduler``) around the user's one.
+
+    Example:
+        >>> scheduler = accel.prepare_scheduler(
+        ...     torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=len(loader))
+        ... )
+    """
+    if isinstance(scheduler, PreparedScheduler):
+        return scheduler
+    if not callable(getattr(scheduler, "step", None)):
+        raise TypeError(
+            f"prepare_scheduler expects a torch.optim.lr_scheduler.LRScheduler, got "
+            f"{type(scheduler).__name__!r}. Pass the scheduler, e.g. "
+            "`accel.prepare_scheduler(torch.optim.lr_scheduler.StepLR(optimizer, 10))`."
+        )
+    return PreparedScheduler(
+        scheduler, step_with_optimizer=step_with_optimizer, split_batches=split_batches
+    )
