@@ -134,14 +134,14 @@ def prepare_model(
         ...     model(torch.ones(1, 4)).dtype
         torch.float32
     """
-    existing = _prepared_result(model)
-    if existing is not None:
-        return existing
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"prepare_model expects a torch.nn.Module, got {type(model).__name__!r}. "
             "Pass the model itself, e.g. `accel.prepare_model(model)`."
         )
+    existing = _prepared_result(model)
+    if existing is not None:
+        return existing
     chosen = _resolve_strategy(strategy)
     st = state()
     if device_placement:

@@ -74,11 +74,7 @@ def _nested(
     changes: dict[str, Any],
     options: dict[str, Any],
 ) -> ProcessState:
-    held_values = {
-        "backend": current.backend,
-        "cpu": current.device.type == "cpu",
-        "timeout": current.timeout,
-    }
+    held_values = {"backend": current.backend, "cpu": current.device.type == "cpu"}
     for name, value in fixed.items():
         if value is not None and value != held_values[name]:
             raise ConfigError(
@@ -87,9 +83,7 @@ def _nested(
                 f"group. Pass {name} to the outermost `accel.distributed()` instead."
             )
     merged = {k: v if v is not None else getattr(current, k) for k, v in changes.items()}
-    policy = resolve_policy(
-        LaunchEnv(), world_size=current.world_size, timeout=current.timeout, **merged
-    )
+    policy = resolve_policy(LaunchEnv(), world_size=current.world_size, **merged)
     return attrs.evolve(current, **policy, options={**current.options, **options})
 
 
@@ -121,6 +115,8 @@ def distributed(
         strategy: ``"none"``, ``"ddp"`` or ``"fsdp"``; default ddp with several processes.
         cpu: run on the CPU even when CUDA is available.
         timeout: seconds (or a timedelta) before a collective gives up; default 30 minutes.
+            A nested block can shorten it for accel's own waits (debug-mode checks); the
+            process group keeps the timeout it was created with.
         debug: check every collective's shapes on all ranks first (also ``ACCEL_DEBUG=1``).
         seed: seed python, numpy and torch RNGs identically on every rank.
         **options: extra run-wide options, readable as ``accel.state().options``.
@@ -139,9 +135,10 @@ def distributed(
         "gradient_accumulation_steps": gradient_accumulation_steps,
         "strategy": strategy,
         "debug": debug,
+        "timeout": timeout_s,
     }
     if has_active_state():
-        fixed = {"backend": backend, "cpu": cpu or None, "timeout": timeout_s}
+        fixed = {"backend": backend, "cpu": cpu or None}
         inner = _nested(state(), fixed=fixed, changes=changes, options=options)
         with set_state(inner):
             if seed is not None:
@@ -171,15 +168,7 @@ def distributed(
                     "torch.distributed. Install a torch build with distributed support."
                 )
             group_backend = _pick_backend(backend or env.backend, device)
-    policy = resolve_policy(
-        env,
-        world_size=world,
-        mixed_precision=mixed_precision,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        strategy=strategy,
-        debug=debug,
-        timeout=timeout_s,
-    )
+    policy = resolve_policy(env, world_size=world, **changes)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if group_backend is not None and not dist.is_initialized():

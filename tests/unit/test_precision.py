@@ -1,0 +1,98 @@
+"""autocast() and the mixed precision policy, on CPU (bf16 and fp16 really run reduced)."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+import torch
+
+import accel
+from accel._state import ProcessState, Scope, set_state
+from accel.errors import ConfigError
+from accel.precision import AutocastForward, autocast_dtype, outputs_to_fp32
+
+A = torch.ones(4, 4)
+
+
+def _matmul_dtype() -> torch.dtype:
+    return (A @ A).dtype
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [("no", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)],
+)
+def test_autocast_follows_policy(policy: str, expected: torch.dtype) -> None:
+    with set_state(ProcessState(mixed_precision=policy), Scope()):  # type: ignore[arg-type]
+        with accel.autocast():
+            assert _matmul_dtype() == expected
+        assert _matmul_dtype() == torch.float32  # only inside the block
+
+
+def test_autocast_overrides() -> None:
+    with set_state(ProcessState(mixed_precision="bf16"), Scope()):
+        with accel.autocast(dtype=torch.float16):
+            assert _matmul_dtype() == torch.float16
+        with accel.autocast(enabled=False):
+            assert _matmul_dtype() == torch.float32
+        with accel.autocast(), accel.autocast(enabled=False):
+            assert _matmul_dtype() == torch.float32
+    with set_state(ProcessState(mixed_precision="no"), Scope()):
+        with accel.autocast(dtype=torch.bfloat16):
+            assert _matmul_dtype() == torch.bfloat16
+        with torch.autocast("cpu", dtype=torch.bfloat16), accel.autocast(enabled=False):
+            assert _matmul_dtype() == torch.float32
+
+
+def test_autocast_dtype_policy() -> None:
+    assert autocast_dtype("no") is None
+    assert autocast_dtype("bf16") is torch.bfloat16
+    assert autocast_dtype("fp16") is torch.float16
+    assert autocast_dtype("fp8") is torch.bfloat16
+    with pytest.raises(ConfigError, match="'fp4'"):
+        autocast_dtype("fp4")
+
+
+Pair = namedtuple("Pair", ["a", "b"])
+
+
+def test_outputs_to_fp32_walks_structures() -> None:
+    half = torch.ones(2, dtype=torch.float16)
+    bf = torch.ones(2, dtype=torch.bfloat16)
+    ints = torch.ones(2, dtype=torch.int64)
+    double = torch.ones(2, dtype=torch.float64)
+    out = outputs_to_fp32({"x": [half, (bf, ints)], "p": Pair(double, "s"), "n": 3})
+    assert out["x"][0].dtype == torch.float32
+    assert out["x"][1][0].dtype == torch.float32
+    assert out["x"][1][1] is ints
+    assert isinstance(out["p"], Pair)
+    assert out["p"].a is double
+    assert out["p"].b == "s"
+    assert out["n"] == 3
+
+
+class _Recorder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = self.linear(x)
+        self.seen.append(y.dtype)
+        return {"y": y}
+
+
+def test_autocast_forward_reads_policy_at_call_time() -> None:
+    module = _Recorder()
+    wrapped = AutocastForward(module.forward)
+    with set_state(ProcessState(mixed_precision="bf16"), Scope()):
+        out = wrapped(torch.ones(1, 4))
+        assert out["y"].dtype == torch.float32
+        assert module.seen[-1] == torch.bfloat16
+        with accel.distributed(mixed_precision="no"):  # nested scope: full precision block
+            wrapped(torch.ones(1, 4))
+            assert module.seen[-1] == torch.float32
+        wrapped(torch.ones(1, 4))
+        assert module.seen[-1] == torch.bfloat16
