@@ -83,11 +83,14 @@ def _ddp_no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any] | N
 
 @contextmanager
 def _fsdp2_sync(model: Any, requires_sync: bool) -> Iterator[None]:
+    # FSDP2 has no getter for the flag; its default (and the state outside these blocks) is
+    # True, so both blocks leave it True.
     model.set_requires_gradient_sync(requires_sync)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(not requires_sync)
+        if not requires_sync:
+            model.set_requires_gradient_sync(True)
 
 
 class _Accumulate:

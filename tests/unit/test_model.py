@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._dynamo  # imported here: it sets TORCHINDUCTOR_CACHE_DIR (conftest env guard)
 from torch import nn
 
 import accel
@@ -126,7 +127,7 @@ def test_strategy_errors() -> None:
             accel.prepare_model(Net(), strategy="zero3")  # type: ignore[arg-type]
         with pytest.raises(ConfigError, match="find_unused_parameters"):
             accel.prepare_model(Net(), find_unused_parameters=True)
-        with pytest.raises(TypeError, match="torch.nn.Module"):
+        with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
             accel.prepare_model("not a model")  # type: ignore[arg-type]
     with fake(strategy="fsdp"), pytest.raises(StrategyNotImplementedError):
         accel.prepare_model(Net())

@@ -6,6 +6,7 @@ from collections import namedtuple
 
 import pytest
 import torch
+import torch._dynamo  # imported here: it sets TORCHINDUCTOR_CACHE_DIR (conftest env guard)
 
 import accel
 from accel._state import ProcessState, Scope, set_state
