@@ -71,6 +71,15 @@ _LAZY: dict[str, str] = {
     "trigger_sync_in_backward": "accel.accumulation",
     "prepare_data_loader": "accel.data",
     "skip_first_batches": "accel.data",
+    # checkpoints
+    "save": "accel.checkpoint",
+    "save_model": "accel.checkpoint",
+    "load_checkpoint_in_model": "accel.checkpoint",
+    "get_state_dict": "accel.checkpoint",
+    "save_state": "accel.checkpoint",
+    "load_state": "accel.checkpoint",
+    "latest_checkpoint": "accel.checkpoint",
+    "CheckpointInfo": "accel.checkpoint",
     # tracking, progress, profiling, memory
     "tracking": "accel.trackers",
     "log": "accel.trackers",
@@ -99,6 +108,14 @@ __all__ = [
 if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diffs small)
     from accel._state import ProcessState as ProcessState
     from accel._state import state as state
+    from accel.checkpoint import CheckpointInfo as CheckpointInfo
+    from accel.checkpoint import get_state_dict as get_state_dict
+    from accel.checkpoint import latest_checkpoint as latest_checkpoint
+    from accel.checkpoint import load_checkpoint_in_model as load_checkpoint_in_model
+    from accel.checkpoint import load_state as load_state
+    from accel.checkpoint import save as save
+    from accel.checkpoint import save_model as save_model
+    from accel.checkpoint import save_state as save_state
     from accel.collectives import broadcast as broadcast
     from accel.collectives import broadcast_object as broadcast_object
     from accel.collectives import check_trigger as check_trigger

@@ -1,0 +1,215 @@
+"""Streaming safetensors files: write and read tensor by tensor, with a CRC32 of the file.
+
+The files are plain safetensors (``safetensors.torch.load_file`` reads them). Writing goes
+tensor by tensor straight from each tensor's memory, so saving holds no second copy of the
+weights; the CRC32 of every byte is computed on the way and recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+import sys
+import zlib
+from collections.abc import Mapping
+from typing import IO, Any, BinaryIO
+
+import attrs
+import torch
+
+from accel.errors import CheckpointError
+
+__all__ = ["FileRecord", "fsync_dir", "read_safetensors", "write_bytes", "write_safetensors"]
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.uint16: "U16",
+    torch.int32: "I32",
+    torch.uint32: "U32",
+    torch.int64: "I64",
+    torch.uint64: "U64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_NAMES = {name: dtype for dtype, name in _DTYPES.items()}
+_CHUNK = 64 << 20  # CRC and write granularity for big tensors
+
+
+@attrs.frozen
+class FileRecord:
+    """A written file: path relative to the checkpoint, size in bytes and CRC32."""
+
+    name: str
+    size: int
+    crc32: int
+
+
+def _view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying (caller keeps it alive)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor
+
+
+def _write_all(f: BinaryIO, data: memoryview, crc: int) -> int:
+    for start in range(0, len(data), _CHUNK):
+        chunk = data[start : start + _CHUNK]
+        crc = zlib.crc32(chunk, crc)
+        f.write(chunk)
+    return crc
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so renames and new entries in it survive a crash."""
+    if sys.platform == "win32":  # directories cannot be opened for fsync there
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    root: str | os.PathLike[str] | None = None,
+) -> FileRecord:
+    """Write ``tensors`` as a safetensors file, fsync it, and return its record.
+
+    Tensors are written in the order given; device and non-contiguous tensors are copied to
+    the host one at a time.
+    """
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors files are little-endian; this machine is not.")
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _DTYPES:
+            raise CheckpointError(
+                f"Tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store. "
+                f"Convert it first, e.g. `tensor.to(torch.float32)`."
+            )
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    prefix = struct.pack("<Q", len(encoded)) + encoded
+    with open(path, "wb") as f:
+        crc = zlib.crc32(prefix)
+        f.write(prefix)
+        for tensor in tensors.values():
+            host = _host(tensor)
+            crc = _write_all(f, _view(host), crc)
+            del host
+        f.flush()
+        os.fsync(f.fileno())
+    name = os.fspath(path) if root is None else os.path.relpath(path, root)
+    return FileRecord(name=name, size=len(prefix) + offset, crc32=crc)
+
+
+def write_bytes(
+    path: str | os.PathLike[str], data: bytes, *, root: str | os.PathLike[str] | None = None
+) -> FileRecord:
+    """Write ``data`` to ``path``, fsync it, and return its record."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    name = os.fspath(path) if root is None else os.path.relpath(path, root)
+    return FileRecord(name=name, size=len(data), crc32=zlib.crc32(data))
+
+
+def _read_all(f: IO[bytes], view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got : got + _CHUNK])  # type: ignore[attr-defined]
+        if not n:
+            break
+        got += n
+    return got
+
+
+def _corrupt(path: str | os.PathLike[str], what: str) -> CheckpointError:
+    return CheckpointError(
+        f"Checkpoint file {os.fspath(path)!r} is corrupted or truncated: {what}. Load an "
+        "earlier checkpoint (`accel.latest_checkpoint()` skips incomplete ones) or save again."
+    )
+
+
+def read_safetensors(
+    path: str | os.PathLike[str], *, expected_crc32: int | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read a safetensors file into new CPU tensors, checking its structure and CRC32.
+
+    Raises:
+        CheckpointError: the file is truncated, malformed, or its CRC32 differs.
+    """
+    size = os.path.getsize(path)
+    tensors: dict[str, torch.Tensor] = {}
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) < 8:
+            raise _corrupt(path, f"only {size} bytes")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > size - 8:
+            raise _corrupt(path, f"header of {header_len} bytes in a file of {size}")
+        raw_header = f.read(header_len)
+        crc = zlib.crc32(raw_header, zlib.crc32(raw_len))
+        try:
+            header = json.loads(raw_header)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise _corrupt(path, f"unreadable header ({exc})") from None
+        if not isinstance(header, dict):
+            raise _corrupt(path, "header is not a JSON object")
+        metadata = header.pop("__metadata__", None) or {}
+        entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        position = 0
+        for name, info in entries:
+            start, end = info["data_offsets"]
+            dtype = _NAMES.get(info["dtype"])
+            if dtype is None or start != position:
+                raise _corrupt(path, f"bad entry for tensor {name!r}: {info}")
+            tensor = torch.empty(info["shape"], dtype=dtype)
+            view = _view(tensor)
+            if len(view) != end - start:
+                raise _corrupt(path, f"tensor {name!r} has {end - start} bytes for {info}")
+            got = _read_all(f, view)
+            if got != len(view):
+                raise _corrupt(path, f"tensor {name!r} is cut short ({got} of {len(view)} bytes)")
+            crc = zlib.crc32(view, crc)
+            tensors[name] = tensor
+            position = end
+        if f.read(1):
+            raise _corrupt(path, "trailing bytes after the last tensor")
+    if expected_crc32 is not None and crc != expected_crc32:
+        raise _corrupt(path, f"CRC32 {crc:#010x} is not the manifest's {expected_crc32:#010x}")
+    return tensors, {str(k): str(v) for k, v in metadata.items()}

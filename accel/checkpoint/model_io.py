@@ -1,0 +1,293 @@
+"""Model weights: ``save``, ``save_model`` (HF layout), ``load_checkpoint_in_model``."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from accel._state import state
+from accel.checkpoint._atomic import write_file_atomically
+from accel.checkpoint._format import fsync_dir, write_bytes, write_safetensors
+from accel.errors import CheckpointError
+
+__all__ = ["get_state_dict", "load_checkpoint_in_model", "save", "save_model", "unwrap"]
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+TORCH_WEIGHTS = "pytorch_model.bin"
+TORCH_INDEX = "pytorch_model.bin.index.json"
+_STALE = re.compile(
+    r"^(model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin)$"
+)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP / FSDP / ``torch.compile`` wrappers."""
+    from accel.model import unwrap_model
+
+    return unwrap_model(model)
+
+
+def get_state_dict(model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
+    """The model's full state dict, with the unwrapped module's keys (no ``module.`` prefix).
+
+    Example:
+        >>> sd = accel.get_state_dict(model)   # a DDP model gives the bare module's keys
+    """
+    target = globals()["unwrap"](model) if unwrap else model
+    return {k: v.detach() for k, v in target.state_dict().items()}
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+    if match is None or match.group(2).upper() not in _UNITS or float(match.group(1)) <= 0:
+        raise CheckpointError(
+            f"max_shard_size={size!r} is not a size; give bytes or a string such as '10GB', "
+            "'500MB' or '2GiB'."
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def _shards(tensors: Mapping[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    used = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and used + nbytes > limit:
+            shards.append({})
+            used = 0
+        shards[-1][name] = tensor
+        used += nbytes
+    return shards
+
+
+def _torch_save(path: Path, obj: Any) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_shard(shard: dict[str, torch.Tensor], safe: bool, path: Path) -> None:
+    if safe:
+        write_safetensors(path, shard, metadata={"format": "pt"})
+    else:
+        _torch_save(path, {k: v.cpu() for k, v in shard.items()})
+
+
+def _is_tensor_dict(obj: Any) -> bool:
+    return isinstance(obj, Mapping) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    )
+
+
+def _dedupe_shared(tensors: Mapping[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """Keep every tensor, but warn once about tensors that share memory (tied weights)."""
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    shared = []
+    for name, tensor in tensors.items():
+        if tensor.numel() == 0 or tensor.device.type == "meta":
+            continue
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            int(tensor.storage_offset()),
+            tuple(tensor.shape),
+        )
+        if key in seen:
+            shared.append(f"{name} = {seen[key]}")
+        else:
+            seen[key] = name
+    if shared:
+        warnings.warn(
+            f"{where}: tensors share memory ({', '.join(shared[:5])}); each is written in full, "
+            "so loading restores them all (ties are kept by the module, not the file).",
+            stacklevel=3,
+        )
+    return dict(tensors)
+
+
+def save(obj: Any, path: str | os.PathLike[str], *, safe_serialization: bool = True) -> None:
+    """Save ``obj`` once (on the main process), atomically: write aside, then rename.
+
+    A dict of tensors goes to safetensors; other objects need ``safe_serialization=False``
+    (torch format, which loading has to unpickle: load it with ``weights_only=True``).
+
+    Example:
+        >>> accel.save(accel.get_state_dict(model), "weights.safetensors")
+    """
+    if not state().is_main_process:
+        return
+    target = Path(path)
+    if safe_serialization:
+        if not _is_tensor_dict(obj):
+            raise CheckpointError(
+                f"accel.save() stores a dict of str -> tensor with safetensors, got "
+                f"{type(obj).__name__}. Pass a state dict, or `safe_serialization=False` for "
+                "torch's pickle-based format."
+            )
+        tensors = _dedupe_shared(obj, "accel.save")
+        write_file_atomically(
+            target, lambda tmp: write_safetensors(tmp, tensors, metadata={"format": "pt"})
+        )
+    else:
+        write_file_atomically(target, lambda tmp: _torch_save(tmp, obj))
+
+
+def save_model(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "10GB",
+    safe_serialization: bool = True,
+) -> Path:
+    """Write the model's weights in the layout transformers and Accelerate load.
+
+    ``model.safetensors``, or shards ``model-0000k-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json`` (``pytorch_model*.bin`` with ``safe_serialization=False``).
+    Keys are the unwrapped module's; shards of an earlier save that are no longer part of the
+    model are removed. Only the main process writes.
+
+    Example:
+        >>> accel.save_model(model, "out", max_shard_size="200MB")
+        PosixPath('out')
+    """
+    out = Path(directory)
+    limit = _parse_size(max_shard_size)
+    tensors = get_state_dict(model)
+    if not state().is_main_process:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = _dedupe_shared(tensors, "accel.save_model")
+    shards = _shards(tensors, limit)
+    weights, index_name = (SAFE_WEIGHTS, SAFE_INDEX) if safe_serialization else (
+        TORCH_WEIGHTS, TORCH_INDEX)
+    stem, ext = weights.rsplit(".", 1)
+    names = (
+        [weights]
+        if len(shards) == 1
+        else [f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}" for i in range(1, len(shards) + 1)]
+    )
+    for name, shard in zip(names, shards, strict=True):
+        write = functools.partial(_write_shard, shard, safe_serialization)
+        write_file_atomically(out / name, write)
+    keep = set(names)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {k: n for n, shard in zip(names, shards, strict=True) for k in shard},
+        }
+        body = json.dumps(index, indent=2, sort_keys=True).encode()
+        write_file_atomically(out / index_name, lambda tmp: write_bytes(tmp, body))
+        keep.add(index_name)
+    for stale in out.iterdir():
+        is_index = stale.name in (SAFE_INDEX, TORCH_INDEX)
+        if (is_index or _STALE.match(stale.name)) and stale.name not in keep:
+            stale.unlink()
+    fsync_dir(out)
+    return out
+
+
+def _checkpoint_files(checkpoint: Path) -> list[Path]:
+    if checkpoint.is_file() and checkpoint.name.endswith(".index.json"):
+        index = json.loads(checkpoint.read_text())
+        return [checkpoint.parent / f for f in dict.fromkeys(index["weight_map"].values())]
+    if checkpoint.is_file():
+        return [checkpoint]
+    if checkpoint.is_dir():
+        for index_name in (SAFE_INDEX, TORCH_INDEX):
+            if (checkpoint / index_name).is_file():
+                return _checkpoint_files(checkpoint / index_name)
+        for single in (SAFE_WEIGHTS, TORCH_WEIGHTS):
+            if (checkpoint / single).is_file():
+                return [checkpoint / single]
+    raise CheckpointError(
+        f"No weights at {os.fspath(checkpoint)!r}: expected a .safetensors/.bin file, an "
+        f"index.json, or a directory holding {SAFE_WEIGHTS}, {SAFE_INDEX}, {TORCH_WEIGHTS} or "
+        f"{TORCH_INDEX}."
+    )
+
+
+def _iter_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(os.fspath(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    yield key, f.get_tensor(key)
+        except SafetensorError as exc:
+            raise CheckpointError(f"Weights file {os.fspath(path)!r} is corrupted: {exc}") from None
+        return
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError) as exc:  # torch reports bad archives this way
+        raise CheckpointError(f"Weights file {os.fspath(path)!r} is corrupted: {exc}") from None
+    if not _is_tensor_dict(loaded):
+        raise CheckpointError(f"{os.fspath(path)!r} does not hold a state dict of tensors.")
+    yield from loaded.items()
+
+
+def load_checkpoint_in_model(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    *,
+    device_map: Mapping[str, str | int | torch.device] | None = None,
+    dtype: torch.dtype | None = None,
+    strict: bool = False,
+) -> nn.Module:
+    """Load weights from a file, a folder or an index into ``model``, one file at a time.
+
+    Reads safetensors, or torch ``.bin`` files with ``weights_only=True`` (no code runs).
+    Floating tensors are cast to ``dtype`` when given. ``device_map`` maps submodule names to
+    devices to move them to after loading. With ``strict``, missing or unexpected keys raise.
+
+    Example:
+        >>> accel.load_checkpoint_in_model(model, "out")   # the folder save_model wrote
+    """
+    target = unwrap(model)
+    own = target.state_dict()
+    missing = set(own)
+    unexpected: list[str] = []
+    for file in _checkpoint_files(Path(checkpoint)):
+        if not file.is_file():
+            raise CheckpointError(
+                f"Weights file {os.fspath(file)!r} named by the index is missing."
+            )
+        part: dict[str, torch.Tensor] = {}
+        cast: dict[str, torch.Tensor] = {}  # placed as the new parameters: their dtype changes
+        for key, tensor in _iter_file(file):
+            if key not in own:
+                unexpected.append(key)
+                continue
+            if dtype is not None and tensor.is_floating_point():
+                cast[key] = tensor.to(device=own[key].device, dtype=dtype)
+            else:
+                part[key] = tensor
+            missing.discard(key)
+        target.load_state_dict(part, strict=False)
+        if cast:
+            target.load_state_dict(cast, strict=False, assign=True)
+        del part, cast
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"Checkpoint {os.fspath(checkpoint)!r} does not match the model: missing keys "
+            f"{sorted(missing)[:10]}, unexpected keys {unexpected[:10]}. Pass `strict=False` "
+            "to load what matches."
+        )
+    for name, device in (device_map or {}).items():
+        module = target.get_submodule(name) if name else target
+        module.to(device if not isinstance(device, int) else torch.device("cuda", device))
+    return model
