@@ -8,7 +8,8 @@ Where things live:
 - the accumulation counter: on the first model given to :func:`accumulate` (the
   ``_accel_accumulation_step`` entry of its ``__dict__``), or in ``scope().extras`` when it
   is called without models;
-- the fp16 GradScaler that :func:`backward` scales the loss with: ``scope().grad_scaler``.
+- the fp16 GradScaler that :func:`backward` scales the loss with: ``scope().grad_scaler``
+  (used while the policy is ``"fp16"``; see ``accel.optim``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel._state import scope, state
+from accel.optim import active_scaler
 
 __all__ = ["accumulate", "backward", "no_sync", "sync_gradients", "trigger_sync_in_backward"]
 
@@ -50,7 +52,7 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
     steps = state().gradient_accumulation_steps
     if steps > 1:
         loss = loss / steps
-    scaler = scope().grad_scaler
+    scaler = active_scaler()
     if scaler is not None:
         loss = scaler.scale(loss)
     loss.backward(**kwargs)  # type: ignore[no-untyped-call]

@@ -6,6 +6,9 @@ Where things live:
   ``accel.accumulate``; ``True`` when no accumulation is used);
 - the fp16 :class:`torch.amp.GradScaler`: ``scope().grad_scaler``, one per ``distributed()``
   scope, created by the first :func:`prepare_optimizer` under ``mixed_precision="fp16"``.
+  It is used (by ``accel.backward``, prepared optimizers' ``step()``, unscaling and clipping
+  alike) only while the state's policy is ``"fp16"``: a nested
+  ``accel.distributed(mixed_precision="no")`` block trains without loss scaling.
   Save and restore it with :func:`scaler_state_dict` / :func:`load_scaler_state_dict`;
 - the optimizers prepared in the scope: weak references in
   ``scope().extras["accel.optimizers"]`` (for :func:`unscale_gradients` with no argument and
@@ -28,6 +31,7 @@ from accel._state import scope, state
 __all__ = [
     "PreparedOptimizer",
     "PreparedScheduler",
+    "active_scaler",
     "clip_grad_norm_",
     "clip_grad_value_",
     "load_scaler_state_dict",
@@ -146,7 +150,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if not scope().sync_gradients:
             return None
         scaler = self.scaler
-        if scaler is None:
+        if scaler is None or state().mixed_precision != "fp16":
             if closure is None:
                 return self.optimizer.step()
             return self.optimizer.step(closure)
@@ -166,6 +170,19 @@ class PreparedOptimizer(torch.optim.Optimizer):
             self.step_was_skipped = scaler.get_scale() < before
         self._unscaled = False
         return result
+
+
+def active_scaler() -> torch.amp.GradScaler | None:
+    """The scope's GradScaler while the policy is fp16, else ``None`` (the loss is unscaled).
+
+    Example:
+        >>> scaler = active_scaler()
+        >>> scaled = loss if scaler is None else scaler.scale(loss)
+    """
+    scaler: torch.amp.GradScaler | None = scope().grad_scaler
+    if scaler is None or state().mixed_precision != "fp16":
+        return None
+    return scaler
 
 
 def _registry() -> list[weakref.ref[PreparedOptimizer]]:
@@ -331,7 +348,8 @@ def unscale_gradients(optimizer: Any = None) -> None:
         >>> grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     """
     sc = scope()
-    if sc.grad_scaler is None or not sc.sync_gradients:
+    scaler = active_scaler()
+    if scaler is None or not sc.sync_gradients:
         return
     if optimizer is None:
         targets: list[Any] = _prepared_optimizers()
@@ -342,7 +360,7 @@ def unscale_gradients(optimizer: Any = None) -> None:
     for target in targets:
         prepared = _find_prepared(target)
         if prepared is None:  # not prepared: the caller manages the scaler's stage
-            sc.grad_scaler.unscale_(target)
+            scaler.unscale_(target)
             continue
         if prepared.scaler is None or prepared._unscaled:
             continue
@@ -380,8 +398,9 @@ def clip_grad_norm_(
     if not sc.sync_gradients:
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, norm_type)
-        if sc.grad_scaler is not None and sc.grad_scaler.is_enabled():
-            norm = norm / sc.grad_scaler.get_scale()
+        scaler = active_scaler()
+        if scaler is not None and scaler.is_enabled():
+            norm = norm / scaler.get_scale()
         return norm
     unscale_gradients()
     return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)

@@ -373,3 +373,19 @@ def test_scheduler_step_count_property(
             scheduler.step()
         per_step = 1 if split else world_size
         assert scheduler.last_epoch == min(total, steps * per_step)
+
+
+def test_nested_full_precision_block_trains_without_loss_scaling() -> None:
+    with fake(mixed_precision="fp16"):
+        model, optimizer, _ = _fp16_setup()
+        before = model.weight.detach().clone()
+        with accel.distributed(mixed_precision="no"):
+            _backward_with_grad(model, 0.5)
+            assert model.weight.grad is not None
+            torch.testing.assert_close(model.weight.grad, torch.full_like(before, 0.5))
+            accel.clip_grad_norm_(model.parameters(), 100.0)  # nothing to unscale
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.testing.assert_close(model.weight, before - 0.5)
+        _backward_with_grad(model, 0.5)  # back under fp16: scaled again
+        torch.testing.assert_close(model.weight.grad, torch.full_like(before, 0.5 * 65536))
