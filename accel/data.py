@@ -1,0 +1,794 @@
+"""Prepared data loaders: per-rank shards, device placement, epochs and exact resume.
+
+:func:`prepare_data_loader` returns a :class:`PreparedDataLoader`, a real
+``torch.utils.data.DataLoader`` built from the original's options, that yields this rank's
+batches (Accelerate's sharding rules, see :mod:`accel._sharding`) on the state's device.
+
+Shuffling: a random sampler gets its own generator, seeded with a seed shared by all ranks
+plus the epoch, so every rank draws the same permutation and each epoch a new one. The shared
+seed is the sampler's own generator's seed when the user gave one, else ``state().seed``, else
+a seed drawn on rank 0 and broadcast while preparing (every rank must then prepare the loader,
+as with every ``prepare_*``). Samplers, batch samplers and datasets with ``set_epoch`` are told
+the epoch. A new iteration starts a new epoch; ``set_epoch(e)`` chooses it.
+
+While iterating, the loader is registered in ``accel._state.scope().active_loaders`` (innermost
+last) and keeps ``end_of_dataloader`` (the batch just yielded is the last),
+``final_round`` (:class:`~accel._sharding.FinalRound` of the last round, on the last batch) and
+``remainder`` (real samples in the final global batch, ``-1`` when unknown) up to date, for
+:func:`accel.gather_for_metrics`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
+from typing import Any, Literal
+
+import attrs
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+
+from accel._sharding import (
+    FinalRound,
+    ShardSpec,
+    dispatch_slice_size,
+    shard_stream,
+    skip_first,
+    split_counts,
+    stream_final_round,
+)
+from accel._state import state
+from accel._tree import first_non_tensor, map_tensors, tensor_leaves, zip_map_tensors
+from accel.errors import AccelError, CheckpointError, ConfigError, RemoteError
+
+__all__ = ["PreparedDataLoader", "prepare_data_loader", "skip_first_batches"]
+
+Mode = Literal["shard", "stream", "dispatch"]
+_STATE_KEYS = ("epoch", "batches_yielded")
+
+
+class DataLoaderTypeError(AccelError, TypeError):
+    """``prepare_data_loader`` / ``skip_first_batches`` received something else than a loader."""
+
+
+# --------------------------------------------------------------------------- epoch seeding
+
+
+@attrs.define(eq=False)
+class _Reseeder:
+    """Per epoch: reseed the sampler's generator with ``seed + epoch`` and call ``set_epoch``."""
+
+    generator: torch.Generator | None
+    seed: int
+    targets: tuple[Any, ...]
+
+    def __call__(self, epoch: int) -> None:
+        if self.generator is not None:
+            self.generator.manual_seed(self.seed + epoch)
+        for target in self.targets:
+            target.set_epoch(epoch)
+
+
+def _fresh_seed(*, shared: bool) -> int:
+    """``state().seed``, else a random seed (broadcast from rank 0 when it must be shared)."""
+    st = state()
+    if st.seed is not None:
+        return int(st.seed)
+    seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    if shared and st.world_size > 1:
+        from accel.collectives import broadcast_object
+
+        seed = int(broadcast_object(seed))
+    return seed
+
+
+def _seeded_copy(batch_sampler: Any, dataset: Any, *, shared: bool) -> tuple[Any, _Reseeder]:
+    """Copy the batch sampler (and its random sampler) so the copy has its own generator."""
+    batch_sampler = copy.copy(batch_sampler)
+    inner = getattr(batch_sampler, "sampler", None)
+    generator: torch.Generator | None = None
+    seed = 0
+    if inner is not None and hasattr(inner, "generator"):
+        inner = copy.copy(inner)
+        batch_sampler.sampler = inner
+        own = inner.generator
+        seed = own.initial_seed() if isinstance(own, torch.Generator) else _fresh_seed(
+            shared=shared
+        )
+        generator = torch.Generator()
+        inner.generator = generator
+    targets = tuple(
+        obj
+        for obj in (inner, batch_sampler, dataset)
+        if obj is not None and callable(getattr(obj, "set_epoch", None))
+    )
+    return batch_sampler, _Reseeder(generator, seed, targets)
+
+
+# --------------------------------------------------------------------------- index level
+
+
+class _ShardedBatchSampler(Sampler[list[Any]]):
+    """This rank's batches of a (copied) batch sampler; reseeded per epoch; skips index-only."""
+
+    def __init__(
+        self, batch_sampler: Iterable[list[Any]], spec: ShardSpec, reseed: _Reseeder
+    ) -> None:
+        super().__init__()
+        self.batch_sampler = batch_sampler
+        self.spec = spec
+        self.reseed = reseed
+        self.epoch = 0
+        self.skip = 0
+        self.final_round: FinalRound | None = None
+
+    def _record(self, final: FinalRound) -> None:
+        self.final_round = final
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        self.reseed(self.epoch)
+        self.final_round = None
+        batches = self.spec.shard(self.batch_sampler, self._record)
+        return skip_first(batches, self.skip) if self.skip else batches
+
+    def __len__(self) -> int:
+        total = len(self.batch_sampler)  # type: ignore[arg-type]
+        last: int | None = None
+        inner = getattr(self.batch_sampler, "sampler", None)
+        size = self.spec.batch_size
+        if isinstance(self.batch_sampler, BatchSampler) and size and hasattr(inner, "__len__"):
+            last = len(inner) % size or size  # type: ignore[arg-type]
+        return self.spec.num_batches(total, last)
+
+
+class _StreamShard(IterableDataset[Any]):
+    """This rank's elements of an iterable dataset (see :func:`accel._sharding.shard_stream`)."""
+
+    def __init__(
+        self, dataset: Any, *, rank: int, world_size: int, per_rank: int, drop_last: bool
+    ) -> None:
+        self.dataset = dataset
+        self.rank = rank
+        self.world_size = world_size
+        self.per_rank = per_rank
+        self.drop_last = drop_last
+        self.skip = 0
+        self.final_round: FinalRound | None = None
+
+    def _record(self, final: FinalRound) -> None:
+        self.final_round = final
+
+    def __iter__(self) -> Iterator[Any]:
+        self.final_round = None
+        return shard_stream(
+            self.dataset,
+            rank=self.rank,
+            world_size=self.world_size,
+            per_rank=self.per_rank,
+            drop_last=self.drop_last,
+            skip=self.skip,
+            record=self._record,
+        )
+
+    def __len__(self) -> int:
+        length = len(self.dataset)
+        chunk = self.per_rank * self.world_size
+        if self.world_size == 1:
+            return length
+        chunks = length // chunk if self.drop_last else -(-length // chunk)
+        return chunks * self.per_rank
+
+    def expected_final_round(self) -> FinalRound | None:
+        """The last round computed from ``len(dataset)``, or ``None`` for unsized datasets."""
+        if not hasattr(self.dataset, "__len__"):
+            return None
+        return stream_final_round(
+            len(self.dataset),
+            world_size=self.world_size,
+            per_rank=self.per_rank,
+            drop_last=self.drop_last,
+        )
+
+
+# --------------------------------------------------------------------------- the loader
+
+
+@attrs.define(eq=False)
+class _Cursor:
+    """Position shared by a loader and its ``skip_first_batches`` views."""
+
+    epoch: int = 0
+    yielded: int = 0
+    pending: bool = True  # (epoch, yielded) is where the next iteration starts
+
+
+@attrs.frozen(kw_only=True)
+class _Plan:
+    mode: Mode
+    rank: int
+    world_size: int
+    batch_size: int | None
+    split_batches: bool
+    drop_last: bool
+    device: torch.device | None
+    non_blocking: bool
+
+
+_END = object()
+
+
+def _move_to(device: torch.device, non_blocking: bool, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(device, non_blocking=non_blocking)
+
+
+def _loader_options(loader: DataLoader[Any]) -> dict[str, Any]:
+    """The original loader's options that the prepared loader keeps."""
+    options: dict[str, Any] = {
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": getattr(loader, "pin_memory_device", ""),
+    }
+    if hasattr(loader, "in_order"):
+        options["in_order"] = loader.in_order
+    if loader.num_workers > 0:
+        options["prefetch_factor"] = loader.prefetch_factor
+    return options
+
+
+class PreparedDataLoader(DataLoader[Any]):
+    """A ``DataLoader`` yielding this rank's shard of batches on the state's device.
+
+    Made by :func:`prepare_data_loader`; do not construct it directly. Besides the
+    ``DataLoader`` interface it has ``epoch``, ``set_epoch(e)``, ``state_dict()`` /
+    ``load_state_dict()``, ``total_batch_size``, and while iterating ``end_of_dataloader``,
+    ``final_round`` and ``remainder``.
+
+    Example:
+        >>> loader = accel.prepare_data_loader(DataLoader(range(8), batch_size=2))
+        >>> isinstance(loader, DataLoader), len(loader)
+        (True, 2)  # on 2 processes
+    """
+
+    end_of_dataloader: bool
+    remainder: int
+    final_round: FinalRound | None
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        plan: _Plan,
+        sharded: _ShardedBatchSampler | None = None,
+        stream: _StreamShard | None = None,
+        base: DataLoader[Any] | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(dataset, **options)
+        self._plan = plan
+        self._sharded = sharded
+        self._stream = stream
+        self._base = base
+        self._cursor = _Cursor()
+        self._skip_once: int | None = None
+        self._move: Callable[[Any], Any] | None = None
+        if plan.device is not None and plan.device.type != "cpu" and plan.mode != "dispatch":
+            self._move = partial(map_tensors, partial(_move_to, plan.device, plan.non_blocking))
+        self._dispatch_final: FinalRound | None = None
+        self.end_of_dataloader = False
+        self.remainder = -1
+        self.final_round = None
+
+    # ---------------------------------------------------------------- position
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being iterated, or the one the next iteration will use."""
+        cursor = self._cursor
+        return cursor.epoch
+
+    @property
+    def device(self) -> torch.device | None:
+        """Where batches are placed (``None`` without device placement)."""
+        return self._plan.device
+
+    @property
+    def total_batch_size(self) -> int | None:
+        """Samples per step over all ranks (``None`` for variable-size batches)."""
+        size = self._plan.batch_size
+        if size is None:
+            return None
+        return size if self._plan.split_batches else size * self._plan.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (new shuffle), from its first batch.
+
+        A position restored by :meth:`load_state_dict` for the same epoch is kept.
+
+        Example:
+            >>> for epoch in range(3):
+            ...     loader.set_epoch(epoch)
+            ...     for batch in loader: ...
+        """
+        cursor = self._cursor
+        if not (cursor.pending and cursor.epoch == epoch):
+            cursor.epoch, cursor.yielded, cursor.pending = int(epoch), 0, True
+
+    def state_dict(self) -> dict[str, int]:
+        """The exact position: epoch and batches of it already yielded on this rank.
+
+        Example:
+            >>> loader.state_dict()
+            {'epoch': 1, 'batches_yielded': 3}
+        """
+        cursor = self._cursor
+        return {"epoch": cursor.epoch, "batches_yielded": cursor.yielded}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Resume at a position from :meth:`state_dict`: the next iteration continues it.
+
+        Skipped batches are skipped by index (map-style datasets) without loading them.
+
+        Raises:
+            CheckpointError: The dictionary is not a loader position.
+
+        Example:
+            >>> loader.load_state_dict({"epoch": 1, "batches_yielded": 3})
+            >>> next(iter(loader))  # batch 3 of epoch 1
+        """
+        values = [state_dict.get(key) if isinstance(state_dict, dict) else None
+                  for key in _STATE_KEYS]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise CheckpointError(
+                f"a data loader position needs non-negative integers {list(_STATE_KEYS)}, got "
+                f"{state_dict!r}. Pass what `loader.state_dict()` returned."
+            )
+        epoch, yielded = values
+        cursor = self._cursor
+        cursor.epoch, cursor.yielded, cursor.pending = int(epoch), int(yielded), True  # type: ignore[arg-type]
+
+    def _begin(self) -> tuple[int, int]:
+        cursor = self._cursor
+        if cursor.pending:
+            epoch, start = cursor.epoch, cursor.yielded
+        else:
+            epoch, start = cursor.epoch + 1, 0
+        if self._skip_once is not None:
+            start, self._skip_once = self._skip_once, None
+        cursor.epoch, cursor.yielded, cursor.pending = epoch, start, False
+        return epoch, start
+
+    # ---------------------------------------------------------------- iteration
+
+    def __len__(self) -> int:
+        plan = self._plan
+        if plan.mode == "shard":
+            assert self._sharded is not None
+            length = len(self._sharded)
+        elif plan.mode == "stream":
+            length = super().__len__()
+        else:
+            assert self._base is not None
+            whole = len(self._base)
+            if plan.split_batches:
+                length = whole
+            elif plan.drop_last:
+                length = whole // plan.world_size
+            else:
+                length = math.ceil(whole / plan.world_size)
+        return length if self._skip_once is None else max(0, length - self._skip_once)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        epoch, start = self._begin()
+        plan = self._plan
+        if plan.mode == "dispatch":
+            return self._run(self._dispatch(epoch, start), epoch)
+        if self._sharded is not None:
+            self._sharded.epoch, self._sharded.skip = epoch, start
+        if self._stream is not None:
+            self._stream.skip = start * (self._stream.per_rank)
+            set_epoch = getattr(self._stream.dataset, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+        return self._run(super().__iter__(), epoch)
+
+    def _final(self) -> FinalRound | None:
+        if self._sharded is not None:
+            return self._sharded.final_round
+        if self._stream is not None:
+            return self._stream.final_round or self._stream.expected_final_round()
+        return self._dispatch_final
+
+    def _run(self, source: Iterator[Any], epoch: int) -> Iterator[Any]:
+        from accel._state import scope
+
+        cursor = self._cursor
+        move = self._move
+        loaders = scope().active_loaders
+        self.end_of_dataloader = False
+        self.remainder = -1
+        self.final_round = None
+        loaders.append(self)
+        try:
+            batch = next(source, _END)
+            if batch is _END:
+                cursor.epoch, cursor.yielded, cursor.pending = epoch + 1, 0, True
+                return
+            while True:
+                if move is not None:
+                    batch = move(batch)
+                upcoming = next(source, _END)
+                if upcoming is _END:
+                    break
+                cursor.yielded += 1
+                yield batch
+                batch = upcoming
+            final = self._final()
+            self.final_round = final
+            self.remainder = -1 if final is None else final.remainder
+            self.end_of_dataloader = True
+            cursor.yielded += 1
+            yield batch
+            cursor.epoch, cursor.yielded, cursor.pending = epoch + 1, 0, True
+        finally:
+            for index in range(len(loaders) - 1, -1, -1):
+                if loaders[index] is self:
+                    del loaders[index]
+                    break
+
+    # ---------------------------------------------------------------- dispatch
+
+    def _dispatch(self, epoch: int, start: int) -> Iterator[Any]:
+        """All ranks: rank 0 reads whole rounds, broadcasts them; each keeps its slice."""
+        from accel.collectives import broadcast, broadcast_object
+
+        plan = self._plan
+        rank, world = plan.rank, plan.world_size
+        assert plan.device is not None
+        assert self._base is not None
+        device = plan.device
+        group = 1 if plan.split_batches else world
+        rounds: Iterator[Any] = iter(())
+        if rank == 0:
+            rounds = self._base_rounds(epoch, start * group, group)
+        current: Any = _END
+        upcoming: Any = _END
+        first = True
+        pad_source: Any = None
+        to_device = partial(_move_to, device, False)
+        allocate = partial(_allocate, device)
+        sliced_size = -1
+        take = partial(_rows, 0, 0, False)
+        self._dispatch_final = None
+        while True:
+            header: Any = None
+            failure: BaseException | None = None
+            if rank == 0:
+                try:
+                    if first:
+                        current = next(rounds, _END)
+                    upcoming = _END if current is _END else next(rounds, _END)
+                    if current is not _END:
+                        header = (_skeleton(current), upcoming is _END)
+                except Exception as exc:  # sent to the other ranks, then re-raised here
+                    failure = exc
+                    header = ("failed", f"{type(exc).__name__}: {exc}")
+            first = False
+            header = broadcast_object(header)
+            if header is None:
+                return
+            if header[0] == "failed":
+                if failure is not None:
+                    raise failure
+                raise RemoteError(f"rank 0 failed to read the batch to dispatch: {header[1]}")
+            skeleton, last = header
+            batch = map_tensors(to_device if rank == 0 else allocate, current if rank == 0
+                                else skeleton)
+            batch = broadcast(batch)
+            observed = tensor_leaves(batch)[0].shape[0]
+            per_rank = dispatch_slice_size(observed, world, last=last)
+            if pad_source is None:
+                pad_source = map_tensors(partial(_rows, 0, world, True), batch)
+            if per_rank * world != observed:
+                batch = zip_map_tensors(
+                    partial(_pad_cycling, per_rank * world - observed), batch, pad_source
+                )
+            if per_rank != sliced_size:
+                sliced_size = per_rank
+                take = partial(_rows, rank * per_rank, (rank + 1) * per_rank, False)
+            piece = map_tensors(take, batch)
+            if last:
+                self._dispatch_final = FinalRound(
+                    sizes=(per_rank,) * world, real=split_counts(observed, per_rank, world)
+                )
+            yield piece
+            if last:
+                return
+            current = upcoming
+
+    def _base_rounds(self, epoch: int, skip: int, group: int) -> Iterator[Any]:
+        """Rank 0: the base loader's batches, ``group`` at a time, concatenated."""
+        base = self._base
+        assert base is not None
+        sampler = base.batch_sampler
+        if isinstance(sampler, _ShardedBatchSampler):
+            sampler.epoch, sampler.skip = epoch, skip
+        dataset = base.dataset
+        if isinstance(dataset, _StreamShard):
+            dataset.skip = skip * dataset.per_rank
+            set_epoch = getattr(dataset.dataset, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+        return _concat_rounds(iter(base), group, drop_last=self._plan.drop_last)
+
+
+def _concat_rounds(batches: Iterator[Any], group: int, *, drop_last: bool) -> Iterator[Any]:
+    while True:
+        parts = [batch for _, batch in zip(range(group), batches, strict=False)]
+        if not parts or (len(parts) < group and drop_last):
+            return
+        if len(parts) == 1:
+            yield parts[0]
+        else:
+            try:
+                yield zip_map_tensors(lambda *ts: torch.cat(ts), *parts)
+            except (RuntimeError, ValueError) as exc:
+                raise ConfigError(
+                    "dispatch_batches=True concatenates the batches of one round, but they "
+                    f"differ in structure or shape ({exc}). Use "
+                    "`prepare_data_loader(loader, split_batches=True)` or "
+                    "`dispatch_batches=False`."
+                ) from exc
+        if len(parts) < group:
+            return
+
+
+def _skeleton(batch: Any) -> Any:
+    found = first_non_tensor(batch)
+    if found is not None:
+        raise ConfigError(
+            "dispatch_batches=True broadcasts tensors, but the batch holds "
+            f"{type(found[1]).__name__} {found[1]!r:.60} at {found[0] or 'the top'}. Return "
+            "tensors from the collate_fn, or use `prepare_data_loader(loader, "
+            "dispatch_batches=False)`."
+        )
+    leaves = tensor_leaves(batch)
+    if not leaves or leaves[0].ndim == 0:
+        raise ConfigError(
+            "dispatch_batches=True slices batches on their first dimension, but the batch "
+            "has no tensor with one. Use `prepare_data_loader(loader, dispatch_batches=False)`."
+        )
+    return map_tensors(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), batch)
+
+
+def _allocate(device: torch.device, meta: torch.Tensor) -> torch.Tensor:
+    return torch.empty(meta.shape, dtype=meta.dtype, device=device)
+
+
+def _rows(lo: int, hi: int, clone: bool, tensor: torch.Tensor) -> torch.Tensor:
+    rows = tensor[lo:hi]
+    return rows.clone() if clone else rows
+
+
+def _pad_cycling(count: int, tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    index = torch.arange(count, device=source.device) % source.shape[0]
+    return torch.cat([tensor, source[index]])
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _batch_size_of(loader: DataLoader[Any]) -> int | None:
+    if loader.batch_size is not None:
+        return loader.batch_size
+    holder = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+    size = getattr(holder, "batch_size", None)
+    return size if isinstance(size, int) else None
+
+
+def prepare_data_loader(
+    loader: DataLoader[Any],
+    *,
+    device_placement: bool = True,
+    split_batches: bool = False,
+    even_batches: bool = True,
+    dispatch_batches: bool | None = None,
+) -> DataLoader[Any]:
+    """Shard a ``DataLoader`` for this rank and place its batches on the state's device.
+
+    Every rank must call it (it may broadcast a shuffle seed). Batch ``i`` of the original
+    loader goes to rank ``i % world_size``; with ``split_batches`` every batch is cut into
+    ``world_size`` slices instead. ``even_batches`` (map-style datasets) completes the last
+    round with samples from the start of the epoch so every rank gets the same number of
+    batches; iterable datasets are always completed unless ``drop_last``. With
+    ``even_batches=False`` ranks may get different numbers of batches: collectives in the loop
+    (``gather_for_metrics`` included) then hang on the ranks that still have one.
+
+    ``dispatch_batches=None`` means ``True`` for an ``IterableDataset`` with device placement
+    (Accelerate's default), else ``False``: rank 0 reads each round, broadcasts it, and every
+    rank keeps its slice. Preparing a prepared loader returns it unchanged.
+
+    Args:
+        loader: The loader to shard; its options (workers, collate_fn, pinning...) are kept.
+        device_placement: Move every tensor of each batch to ``accel.state().device``.
+        split_batches: Cut each batch in ``world_size`` parts (the batch size must divide).
+        even_batches: Complete the last round by cycling (map-style datasets).
+        dispatch_batches: Read on rank 0 and broadcast (needs ``device_placement``).
+
+    Returns:
+        A :class:`PreparedDataLoader` (a ``torch.utils.data.DataLoader``).
+
+    Raises:
+        ConfigError: Incompatible options (see the message for the fix).
+
+    Example:
+        >>> loader = accel.prepare_data_loader(DataLoader(range(21), batch_size=3))
+        >>> [b.tolist() for b in loader][-1]
+        [18, 19, 20]  # rank 0
+        [0, 1, 2]     # rank 1
+    """
+    if isinstance(loader, PreparedDataLoader):
+        return loader
+    if not isinstance(loader, DataLoader):
+        raise DataLoaderTypeError(
+            f"prepare_data_loader() needs a torch.utils.data.DataLoader, got "
+            f"{type(loader).__name__} {loader!r:.60}. Wrap the dataset: "
+            "`accel.prepare_data_loader(DataLoader(dataset, batch_size=...))`."
+        )
+    st = state()
+    rank, world = st.rank, st.world_size
+    dataset = loader.dataset
+    iterable = isinstance(dataset, IterableDataset)
+    if dispatch_batches is None:
+        dispatch_batches = iterable and device_placement
+    if dispatch_batches and not device_placement:
+        raise ConfigError(
+            "dispatch_batches=True broadcasts batches from rank 0 on the device, so it needs "
+            "device_placement=True; got device_placement=False. Use "
+            "`prepare_data_loader(loader, dispatch_batches=False)`."
+        )
+    batch_size = _batch_size_of(loader)
+    if split_batches and (batch_size is None or batch_size % world != 0):
+        raise ConfigError(
+            f"split_batches=True cuts every batch into {world} equal slices, but the batch "
+            f"size is {batch_size!r}, not a multiple of {world}. Use a batch size that is a "
+            "multiple of the number of processes, or `split_batches=False`."
+        )
+    if iterable and batch_size is None:
+        raise ConfigError(
+            "prepare_data_loader() needs batches of an iterable dataset to shard it, but the "
+            "loader has batch_size=None. Use `DataLoader(dataset, batch_size=...)`."
+        )
+    device = st.device if device_placement else None
+    pin = bool(loader.pin_memory)
+    plan = _Plan(
+        mode="dispatch" if dispatch_batches and world > 1 else ("stream" if iterable else "shard"),
+        rank=rank,
+        world_size=world,
+        batch_size=batch_size,
+        split_batches=split_batches,
+        drop_last=bool(loader.drop_last),
+        device=device,
+        non_blocking=pin and device is not None and device.type == "cuda",
+    )
+    options = _loader_options(loader)
+    if plan.mode == "dispatch":
+        base = _base_loader(loader, options)
+        if iterable:
+            return PreparedDataLoader(
+                base.dataset, plan=plan, base=base, batch_size=batch_size,
+                drop_last=plan.drop_last, **options,
+            )
+        if base.batch_sampler is None:
+            return PreparedDataLoader(
+                base.dataset, plan=plan, base=base, sampler=base.sampler, batch_size=None,
+                **options,
+            )
+        return PreparedDataLoader(
+            base.dataset, plan=plan, base=base, batch_sampler=base.batch_sampler, **options
+        )
+    if iterable:
+        assert batch_size is not None
+        per_rank = batch_size // world if split_batches else batch_size
+        stream = _StreamShard(
+            dataset, rank=rank, world_size=world, per_rank=per_rank, drop_last=plan.drop_last
+        )
+        return PreparedDataLoader(
+            stream, plan=plan, stream=stream, batch_size=per_rank,
+            drop_last=plan.drop_last, **options,
+        )
+    sharded = _sharded_sampler(loader, plan, even_batches=even_batches, shared=True)
+    if loader.batch_sampler is None:  # a BatchSampler given as `sampler` (batch_size=None)
+        return PreparedDataLoader(
+            dataset, plan=plan, sharded=sharded, sampler=sharded, batch_size=None, **options
+        )
+    return PreparedDataLoader(dataset, plan=plan, sharded=sharded, batch_sampler=sharded, **options)
+
+
+def _sharded_sampler(
+    loader: DataLoader[Any], plan: _Plan, *, even_batches: bool, shared: bool
+) -> _ShardedBatchSampler:
+    source: Any = loader.batch_sampler
+    if source is None:
+        if not isinstance(loader.sampler, BatchSampler):
+            raise ConfigError(
+                "prepare_data_loader() shards batches, but this loader has batch_size=None "
+                "(no batching) and a sampler of single indices. Use `DataLoader(dataset, "
+                "batch_size=...)` or pass a `BatchSampler` as `batch_sampler`."
+            )
+        source = loader.sampler
+    batch_sampler, reseed = _seeded_copy(source, loader.dataset, shared=shared)
+    size = getattr(batch_sampler, "batch_size", None)
+    spec = ShardSpec(
+        rank=plan.rank,
+        world_size=plan.world_size,
+        batch_size=size if isinstance(size, int) else None,
+        drop_last=bool(getattr(batch_sampler, "drop_last", False)),
+        split_batches=plan.split_batches,
+        even_batches=even_batches,
+    )
+    return _ShardedBatchSampler(batch_sampler, spec, reseed)
+
+
+def _base_loader(loader: DataLoader[Any], options: dict[str, Any]) -> DataLoader[Any]:
+    """The unsharded loader rank 0 reads in dispatch mode (seeded per epoch, skips cheaply)."""
+    single = _Plan(
+        mode="shard", rank=0, world_size=1, batch_size=loader.batch_size, split_batches=False,
+        drop_last=bool(loader.drop_last), device=None, non_blocking=False,
+    )
+    if isinstance(loader.dataset, IterableDataset):
+        assert loader.batch_size is not None
+        stream = _StreamShard(
+            loader.dataset, rank=0, world_size=1, per_rank=loader.batch_size,
+            drop_last=bool(loader.drop_last),
+        )
+        return DataLoader(
+            stream, batch_size=loader.batch_size, drop_last=bool(loader.drop_last), **options
+        )
+    sharded = _sharded_sampler(loader, single, even_batches=True, shared=False)
+    if loader.batch_sampler is None:
+        return DataLoader(loader.dataset, sampler=sharded, batch_size=None, **options)
+    return DataLoader(loader.dataset, batch_sampler=sharded, **options)
+
+
+def skip_first_batches(loader: DataLoader[Any], num_batches: int) -> DataLoader[Any]:
+    """A loader whose next iteration starts at batch ``num_batches`` of the current epoch.
+
+    For a prepared loader the result shares its epoch counter (the epoch after this one is
+    the next epoch) and skips by index without loading the skipped batches (iterable datasets
+    must still read the skipped elements). Later iterations of the result are whole epochs.
+    ``len()`` of the result is the number of remaining batches until it is iterated.
+
+    Args:
+        loader: A loader from :func:`prepare_data_loader`.
+        num_batches: Batches of this rank to skip.
+
+    Raises:
+        DataLoaderTypeError: ``loader`` is not a prepared loader.
+        ConfigError: ``num_batches`` is negative.
+
+    Example:
+        >>> resumed = accel.skip_first_batches(loader, 3)
+        >>> for batch in resumed: ...  # batches 3, 4, ... of this epoch
+    """
+    if not isinstance(loader, PreparedDataLoader):
+        raise DataLoaderTypeError(
+            f"skip_first_batches() needs a prepared loader, got {type(loader).__name__}. "
+            "Prepare it first: `accel.skip_first_batches(accel.prepare_data_loader(loader), n)`."
+        )
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
+        raise ConfigError(
+            f"num_batches={num_batches!r} must be a non-negative integer, e.g. "
+            "`accel.skip_first_batches(loader, 3)`."
+        )
+    view = copy.copy(loader)
+    view.__dict__["_iterator"] = None  # its own (persistent) worker iterator
+    view.__dict__["_skip_once"] = num_batches
+    return view

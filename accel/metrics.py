@@ -1,0 +1,157 @@
+"""``gather_for_metrics``: gather per-batch results and drop the padding of the last round.
+
+Prepared loaders complete their last round with samples repeated from the start of the epoch
+(``even_batches``, iterable datasets, dispatched batches). On the last batch of the active
+prepared loader (``accel._state.scope().active_loaders[-1]``), :func:`gather_for_metrics`
+keeps only the real samples of each rank, so that over an epoch the gathered results hold
+every sample of the dataset exactly once, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+import torch
+
+from accel._sharding import FinalRound
+from accel._state import scope, state
+from accel._tree import first_non_tensor, zip_map_tensors
+from accel.collectives import gather, gather_object, pad_across_processes
+
+__all__ = ["gather_for_metrics", "merge_gathered_objects", "trim_gathered"]
+
+T = TypeVar("T")
+
+
+def _active_final() -> tuple[FinalRound | None, int]:
+    """The final round and remainder of the innermost loader when it is at its last batch."""
+    loaders = scope().active_loaders
+    if not loaders:
+        return None, -1
+    loader = loaders[-1]
+    if not getattr(loader, "end_of_dataloader", False):
+        return None, -1
+    final = getattr(loader, "final_round", None)
+    remainder = getattr(loader, "remainder", -1)
+    return (final if isinstance(final, FinalRound) else None), int(remainder)
+
+
+def _trim_one(
+    final: FinalRound | None, prefix: int, original: torch.Tensor, gathered: torch.Tensor
+) -> torch.Tensor:
+    if original.ndim == 0:  # one value per rank (e.g. a loss): nothing to trim
+        return gathered
+    if final is None:
+        return gathered[:prefix] if prefix >= 0 else gathered
+    if final.is_prefix:
+        return gathered[: final.remainder]
+    world = len(final.real)
+    rows = gathered.shape[0] // world
+    pieces = [
+        gathered[rank * rows : rank * rows + real]
+        for rank, real in enumerate(final.real)
+        if real
+    ]
+    return torch.cat(pieces) if pieces else gathered[:0]
+
+
+def trim_gathered(
+    original: T, gathered: T, final: FinalRound | None, *, prefix: int = -1
+) -> T:
+    """Drop the padding from tensors gathered on the last batch of an epoch.
+
+    ``gathered`` holds each rank's tensors (padded to a common length) concatenated in rank
+    order; ``final.real`` says how many leading rows of each rank's part are real. Without a
+    final round, ``prefix >= 0`` keeps that many leading rows. 0-d tensors are not trimmed.
+
+    Example:
+        >>> final = FinalRound(sizes=(3, 3), real=(3, 0))
+        >>> trim_gathered(torch.zeros(3), torch.arange(6), final)
+        tensor([0, 1, 2])
+    """
+    if final is None and prefix < 0:
+        return gathered
+    return zip_map_tensors(partial(_trim_one, final, prefix), original, gathered)  # type: ignore[no-any-return]
+
+
+def _take(value: Any, count: int | None) -> Any:
+    return value if count is None else value[:count]
+
+
+def merge_gathered_objects(per_rank: Sequence[Any], real: Sequence[int] | None = None) -> Any:
+    """Merge what :func:`accel.gather_object` returned into one batch of samples.
+
+    Lists and tuples are sample lists: they are concatenated in rank order (each cut to its
+    rank's ``real`` count when given). Tensors are concatenated on dim 0 (0-d ones stacked),
+    dicts are merged key by key; any other value gives the list of per-rank values.
+
+    Example:
+        >>> merge_gathered_objects([["a", "b"], ["c", "a"]], real=(2, 1))
+        ['a', 'b', 'c']
+    """
+    counts: Sequence[int | None] = real if real is not None else [None] * len(per_rank)
+    first = per_rank[0]
+    if all(isinstance(part, torch.Tensor) for part in per_rank):
+        if first.ndim == 0:
+            return torch.stack(list(per_rank))
+        return torch.cat([_take(part, c) for part, c in zip(per_rank, counts, strict=True)])
+    if all(isinstance(part, Mapping) for part in per_rank):
+        return type(first)(
+            {key: merge_gathered_objects([part[key] for part in per_rank], real)
+             for key in first}
+        )
+    if all(isinstance(part, list | tuple) for part in per_rank):
+        merged: list[Any] = []
+        for part, count in zip(per_rank, counts, strict=True):
+            merged.extend(_take(part, count))
+        return merged
+    return list(per_rank)
+
+
+def gather_for_metrics(data: T, *, use_gather_object: bool = False) -> T:
+    """Gather per-batch results from every rank, without the padding of the last round.
+
+    Every rank must call it. Tensors (nested lists, tuples and dicts of them) are gathered
+    with :func:`accel.gather`; anything else, or everything with ``use_gather_object=True``,
+    with :func:`accel.gather_object` and merged by :func:`merge_gathered_objects` (lists are
+    sample lists, concatenated). On the last batch of the active prepared loader each rank's
+    padding is dropped, so over an epoch the results hold exactly the dataset's samples (with
+    ``drop_last``, the samples the loader yielded). Every tensor's first dimension must be the
+    batch dimension (0-d tensors give one value per rank and are not trimmed). Outside a
+    prepared loader's iteration it is a plain gather. With ``even_batches=False`` ranks may
+    get different numbers of batches; call it only where every rank has a batch.
+
+    Args:
+        data: This rank's results for the current batch.
+        use_gather_object: Gather as Python objects even if ``data`` holds only tensors
+            (e.g. tensors whose sizes differ between ranks in other dimensions).
+
+    Returns:
+        The gathered results, padding removed.
+
+    Example:
+        >>> loader = accel.prepare_data_loader(DataLoader(range(9), batch_size=5))
+        >>> for batch in loader:
+        ...     seen = accel.gather_for_metrics(batch)
+        >>> len(seen)  # 10 samples were read on 2 processes, 1 was padding
+        9
+    """
+    if state().world_size == 1:
+        return data
+    final, remainder = _active_final()
+    if use_gather_object or first_non_tensor(data) is not None:
+        per_rank = gather_object(data)
+        if final is not None:
+            return merge_gathered_objects(per_rank, final.real)  # type: ignore[no-any-return]
+        merged = merge_gathered_objects(per_rank)
+        if remainder >= 0 and isinstance(merged, list):
+            return merged[:remainder]  # type: ignore[return-value]
+        return merged  # type: ignore[no-any-return]
+    if final is not None and final.ragged:
+        data = pad_across_processes(data)
+    gathered = gather(data)
+    if (final is None and remainder < 0) or (final is not None and not final.padded):
+        return gathered
+    return trim_gathered(data, gathered, final, prefix=remainder)
