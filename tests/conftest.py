@@ -13,7 +13,12 @@ from accel import _state
 
 
 def _environ() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    # pytest and torch itself (e.g. TORCHINDUCTOR_CACHE_DIR on first use) set a few variables
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k != "PYTEST_CURRENT_TEST" and not k.startswith("TORCHINDUCTOR_")
+    }
 
 
 @pytest.fixture(autouse=True)
