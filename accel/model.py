@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -18,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accel._state import state
 from accel.errors import AccelError, ConfigError
-from accel.precision import AutocastForward
+from accel.precision import AutocastForward, autocast_dtype
 
 __all__ = ["StrategyNotImplementedError", "is_prepared", "prepare_model", "unwrap_model"]
 
@@ -71,8 +72,12 @@ def _install_autocast_forward(module: nn.Module) -> None:
     current = module.__dict__.get("forward")
     if isinstance(current, AutocastForward):
         return
+    st = state()
     module.__dict__["forward"] = AutocastForward(
-        module.forward, instance_attribute=current is not None
+        module.forward,
+        instance_attribute=current is not None,
+        dtype=autocast_dtype(st.mixed_precision),
+        device_type=st.device.type,
     )
 
 
@@ -97,7 +102,7 @@ def prepare_model(
     *,
     device_placement: bool = True,
     strategy: Literal["none", "ddp", "fsdp"] | None = None,
-    compile: bool = False,
+    compile: bool | Mapping[str, Any] = False,
     evaluation_mode: bool = False,
     **strategy_options: Any,
 ) -> nn.Module:
@@ -116,7 +121,8 @@ def prepare_model(
         model: the user's module.
         device_placement: move the model to the state's device.
         strategy: ``"none"``, ``"ddp"`` or ``"fsdp"``; default ``accel.state().strategy``.
-        compile: wrap the result with :func:`torch.compile`.
+        compile: wrap the result with :func:`torch.compile`; a mapping is passed to it as
+            options, e.g. ``{"mode": "max-autotune"}`` or ``{"backend": "eager"}``.
         evaluation_mode: prepare for inference only (no DDP wrapper).
         **strategy_options: keyword arguments for the strategy's wrapper, e.g.
             ``find_unused_parameters=True`` or ``bucket_cap_mb=50`` for DDP.
@@ -165,7 +171,8 @@ def prepare_model(
             "(`accel launch --nproc-per-node 2 script.py`)."
         )
     if compile:
-        result = torch.compile(result)  # type: ignore[assignment]
+        options = dict(compile) if isinstance(compile, Mapping) else {}
+        result = torch.compile(result, **options)  # type: ignore[assignment]
     _mark(model, result)
     if result is not model:
         _mark(result, result)

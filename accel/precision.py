@@ -127,22 +127,37 @@ class AutocastForward:
     Installed once by ``prepare_model`` as the module's instance ``forward``; the original
     bound forward stays in :attr:`original` (``unwrap_model(m, keep_fp32_wrapper=False)``
     puts it back). The policy is read when the forward runs, so a nested
-    ``with accel.distributed(mixed_precision="no"):`` block runs it in full precision.
+    ``with accel.distributed(mixed_precision="no"):`` block runs it in full precision. Inside
+    a ``torch.compile`` region (``prepare_model(compile=True)``) the policy and device type
+    captured at prepare time are used instead: reading the state's ContextVar there would
+    break the graph.
     """
 
-    __slots__ = ("__wrapped__", "instance_attribute", "original")
+    __slots__ = ("__wrapped__", "device_type", "dtype", "instance_attribute", "original")
 
-    def __init__(self, original: Callable[..., Any], *, instance_attribute: bool = False) -> None:
+    def __init__(
+        self,
+        original: Callable[..., Any],
+        *,
+        instance_attribute: bool = False,
+        dtype: torch.dtype | None = None,
+        device_type: str = "cpu",
+    ) -> None:
         self.original = original
         self.__wrapped__ = original
         self.instance_attribute = instance_attribute  # original was an instance attribute
+        self.dtype = dtype  # the policy at prepare time (used while compiling)
+        self.device_type = device_type
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        st = state()
-        dtype = _DTYPES.get(st.mixed_precision)
+        if torch.compiler.is_compiling():
+            dtype, device_type = self.dtype, self.device_type
+        else:
+            st = state()
+            dtype, device_type = _DTYPES.get(st.mixed_precision), st.device.type
         if dtype is None:
             return self.original(*args, **kwargs)
-        with torch.autocast(device_type=st.device.type, dtype=dtype):
+        with torch.autocast(device_type=device_type, dtype=dtype):
             outputs = self.original(*args, **kwargs)
         if isinstance(outputs, torch.Tensor):  # the common case, without the tree walk
             return outputs.float() if outputs.dtype in _REDUCED else outputs

@@ -165,3 +165,20 @@ def test_prepare_dispatches_by_type_in_dependency_order() -> None:
         assert accel.prepare(net) is net  # one object: not a tuple
         assert accel.prepare() == ()
         assert accel.prepare(optimizer) is p_opt
+
+
+def test_compiled_mixed_precision_forward_has_no_graph_break() -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(3, 4)
+    with fake(mixed_precision="bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = net(x).float()
+        # the eager backend: dynamo traces (and would break on a ContextVar read), no inductor
+        compiled = accel.prepare_model(net, compile={"backend": "eager"})
+        out = compiled(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    torch._dynamo.reset()
