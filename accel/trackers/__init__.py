@@ -1,0 +1,398 @@
+"""Experiment tracking: ``with accel.tracking(...)``, ``accel.log``, ``accel.get_tracker``.
+
+Trackers run on the main process only: other ranks enter the same block, their ``log`` calls
+return at once, and no duplicate runs are created. Every tracker is finished and flushed when
+the block ends, also when it raises. The active run is per context (a ContextVar), so nested
+or concurrent ``tracking()`` blocks in different threads/tasks do not mix.
+
+Built-in trackers (``log_with`` names): ``"jsonl"`` (no dependency), ``"tensorboard"``,
+``"wandb"``, ``"mlflow"`` (extras ``accel[tensorboard]``, ``accel[wandb]``, ``accel[mlflow]``).
+``log_with="all"`` picks jsonl and every installed one. Custom trackers: see
+:mod:`accel.trackers.base`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import importlib
+import importlib.util
+import operator
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+from accel._state import state
+from accel.errors import ConfigError
+from accel.trackers.base import (
+    LogValueError,
+    RunInfo,
+    Tracker,
+    TrackerUnavailableError,
+    TrackingNotActiveError,
+    to_loggable,
+)
+
+__all__ = ["TrackingRun", "get_tracker", "log", "tracking"]
+
+
+@attrs.frozen
+class _Builtin:
+    module: str  # the adapter module (has ``start(run: RunInfo) -> Tracker``)
+    package: str | None  # the import name it needs, None for no dependency
+    extra: str | None  # the accel extra that installs it
+
+
+_BUILTINS: Mapping[str, _Builtin] = MappingProxyType(
+    {
+        "jsonl": _Builtin("accel.trackers.jsonl", None, None),
+        "tensorboard": _Builtin("accel.trackers.tensorboard", "tensorboard", "tensorboard"),
+        "wandb": _Builtin("accel.trackers.wandb", "wandb", "wandb"),
+        "mlflow": _Builtin("accel.trackers.mlflow", "mlflow", "mlflow"),
+    }
+)
+
+
+def _readonly(trackers: Mapping[str, Tracker]) -> Mapping[str, Tracker]:
+    return MappingProxyType(dict(trackers))
+
+
+@attrs.frozen(kw_only=True)
+class TrackingRun:
+    """The run of an active ``tracking()`` block (what ``with accel.tracking(...) as run`` gives).
+
+    Attributes:
+        name: the run name on the main process (given or generated); the given name or
+            ``None`` on other ranks.
+        directory: ``project_dir / name`` on the main process, ``None`` on other ranks.
+        tracker_names: the names of the requested trackers, on every rank.
+        trackers: name -> started tracker, on the main process only (empty elsewhere).
+    """
+
+    name: str | None
+    directory: Path | None
+    tracker_names: tuple[str, ...]
+    trackers: Mapping[str, Tracker] = attrs.field(converter=_readonly)
+
+    @property
+    def active(self) -> bool:
+        """Whether this process writes (it is the main process and has trackers)."""
+        return bool(self.trackers)
+
+
+_RUN: contextvars.ContextVar[TrackingRun | None] = contextvars.ContextVar(
+    "accel_tracking_run", default=None
+)
+
+
+def _is_tracker(obj: object) -> bool:
+    return (
+        isinstance(getattr(obj, "name", None), str)
+        and callable(getattr(obj, "log", None))
+        and callable(getattr(obj, "finish", None))
+    )
+
+
+def _installed(package: str | None) -> bool:
+    return package is None or importlib.util.find_spec(package) is not None
+
+
+def _resolve(log_with: str | Sequence[str | Tracker] | None) -> list[str | Tracker]:
+    """Validate ``log_with`` (on every rank): builtin names (lowercased) and tracker objects."""
+    if log_with is None:
+        return []
+    if isinstance(log_with, str):
+        if log_with.lower() == "all":
+            return [n for n, b in _BUILTINS.items() if _installed(b.package)]
+        items: Sequence[Any] = [log_with]
+    elif _is_tracker(log_with):
+        items = [log_with]
+    else:
+        items = list(log_with)
+    out: list[str | Tracker] = []
+    seen: set[str] = set()
+    for item in items:
+        if isinstance(item, str):
+            name = item.lower()
+            if name not in _BUILTINS:
+                raise ConfigError(
+                    f"Unknown tracker {item!r} in log_with; choose from {list(_BUILTINS)} or "
+                    "'all', or pass a tracker object (see accel.trackers.base), e.g. "
+                    "`accel.tracking(dir, log_with=('jsonl', 'tensorboard'))`."
+                )
+            entry: str | Tracker = name
+        elif _is_tracker(item):
+            name = item.name
+            entry = item
+        else:
+            raise ConfigError(
+                f"log_with entries are tracker names or tracker objects (with `name`, "
+                f"`log(values, step)` and `finish()`), got {type(item).__name__} {item!r:.60}."
+            )
+        if name in seen:
+            raise ConfigError(f"Tracker {name!r} appears twice in log_with={log_with!r}.")
+        seen.add(name)
+        out.append(entry)
+    return out
+
+
+def _plain_config(config: object) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, Mapping):
+        return dict(config)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    if attrs.has(type(config)):
+        return attrs.asdict(config)  # type: ignore[arg-type]
+    if hasattr(config, "__dict__") and not callable(config):  # argparse.Namespace & co.
+        return dict(vars(config))
+    raise ConfigError(
+        f"config must be a dict, a dataclass or an argparse.Namespace, got "
+        f"{type(config).__name__} {config!r:.60}. Pass e.g. `config=vars(args)`."
+    )
+
+
+def _new_run_dir(project_dir: Path, run_name: str | None) -> tuple[str, Path]:
+    if run_name is not None:
+        return run_name, project_dir / run_name
+    base = time.strftime("run-%Y%m%d-%H%M%S")
+    name, suffix = base, 1
+    while (project_dir / name).exists():
+        name, suffix = f"{base}-{suffix}", suffix + 1
+    return name, project_dir / name
+
+
+def _require_installed(name: str) -> None:
+    spec = _BUILTINS[name]
+    if not _installed(spec.package):
+        raise TrackerUnavailableError(
+            f"log_with includes {name!r}, which needs the package {spec.package!r}, not "
+            f"installed. Install it with `pip install 'accel[{spec.extra}]'` or remove "
+            f"{name!r} from log_with."
+        )
+
+
+def _start_builtin(name: str, run: RunInfo) -> Tracker:
+    _require_installed(name)
+    start: Callable[[RunInfo], Tracker] = importlib.import_module(_BUILTINS[name].module).start
+    return start(run)
+
+
+def _finish(trackers: Sequence[Tracker], error: BaseException | None) -> None:
+    """Finish every tracker (even if one fails); raise the first failure unless ``error``."""
+    failures: list[BaseException] = []
+    for tracker in trackers:
+        try:
+            if error is not None and callable(getattr(tracker, "on_error", None)):
+                tracker.on_error(error)  # type: ignore[attr-defined]
+            tracker.finish()
+        except Exception as exc:
+            failures.append(exc)
+    if not failures:
+        return
+    if error is not None:
+        if hasattr(error, "add_note"):
+            for failure in failures:
+                error.add_note(f"(also, finishing a tracker failed: {failure!r})")
+        return
+    raise failures[0]
+
+
+def _start_all(
+    entries: Sequence[str | Tracker],
+    project_dir: Path,
+    run_name: str | None,
+    config: dict[str, Any],
+    init_kwargs: Mapping[str, Mapping[str, Any]],
+) -> TrackingRun:
+    names = tuple(e if isinstance(e, str) else e.name for e in entries)
+    unknown = sorted(set(init_kwargs) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"init_kwargs has options for {unknown!r}, which are not in log_with {names!r}."
+        )
+    for entry in entries:  # fail before creating anything when a package is missing
+        if isinstance(entry, str):
+            _require_installed(entry)
+    name, run_dir = _new_run_dir(project_dir, run_name)
+    if any(isinstance(e, str) for e in entries):
+        run_dir.mkdir(parents=True, exist_ok=True)
+    started: list[Tracker] = []
+    try:
+        for entry in entries:
+            if isinstance(entry, str):
+                info = RunInfo(
+                    project_dir=project_dir,
+                    run_name=name,
+                    run_dir=run_dir,
+                    config=config,
+                    options=dict(init_kwargs.get(entry, {})),
+                )
+                started.append(_start_builtin(entry, info))
+            else:
+                store = getattr(entry, "store_config", None)
+                if config and callable(store):
+                    store(dict(config))
+                started.append(entry)
+    except BaseException as exc:
+        _finish(started, exc)
+        raise
+    return TrackingRun(
+        name=name,
+        directory=run_dir,
+        tracker_names=names,
+        trackers={t.name: t for t in started},
+    )
+
+
+@contextmanager
+def tracking(
+    project_dir: str | Path,
+    *,
+    log_with: str | Sequence[str | Tracker] | None = ("jsonl",),
+    config: Mapping[str, Any] | object | None = None,
+    run_name: str | None = None,
+    init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Iterator[TrackingRun]:
+    """Track an experiment for the block: start trackers on the main process, finish on exit.
+
+    Enter it on every rank (it is not a collective, so it also works on one rank only, e.g.
+    inside an ``@accel.on_main_process`` function). Only the main process creates the run
+    directory and the trackers; on other ranks :func:`log` returns at once. On exit, also
+    after an exception, every tracker is finished and flushed (wandb/mlflow runs are marked
+    failed when the block raised).
+
+    Args:
+        project_dir: the directory holding the runs; each run writes to
+            ``project_dir/<run_name>/``.
+        log_with: tracker names (``"jsonl"``, ``"tensorboard"``, ``"wandb"``, ``"mlflow"``),
+            ``"all"`` for jsonl plus every installed one, tracker objects (see
+            :mod:`accel.trackers.base`), or ``None``/``()`` for none.
+        config: the run's hyper-parameters (dict, dataclass or ``argparse.Namespace``):
+            ``config.json`` for jsonl, the wandb config, mlflow params, a tensorboard text.
+        run_name: the run's name; default ``run-YYYYmmdd-HHMMSS`` (made unique). Reusing a
+            name continues that run's directory (jsonl appends).
+        init_kwargs: per-tracker options for the native init call, e.g.
+            ``{"wandb": {"mode": "offline"}, "mlflow": {"tracking_uri": "..."}}``.
+
+    Yields:
+        The :class:`TrackingRun` (its ``directory`` is ``None`` on non-main ranks).
+
+    Raises:
+        ConfigError: unknown tracker name or bad config.
+        TrackerUnavailableError: a tracker's package is not installed (names the extra).
+
+    Example:
+        >>> with accel.tracking("runs", log_with=("jsonl", "tensorboard"), config=hparams):
+        ...     for step, batch in enumerate(loader):
+        ...         loss = train_step(batch)
+        ...         accel.log({"loss": loss}, step=step)
+    """
+    entries = _resolve(log_with)
+    settings = _plain_config(config)
+    options = dict(init_kwargs or {})
+    if state().is_main_process:
+        run = _start_all(entries, Path(project_dir), run_name, settings, options)
+    else:
+        names = tuple(e if isinstance(e, str) else e.name for e in entries)
+        run = TrackingRun(name=run_name, directory=None, tracker_names=names, trackers={})
+    token = _RUN.set(run)
+    try:
+        yield run
+    except BaseException as exc:
+        _RUN.reset(token)
+        _finish(list(run.trackers.values()), exc)
+        raise
+    _RUN.reset(token)
+    _finish(list(run.trackers.values()), None)
+
+
+def _step(step: object) -> int | None:
+    if step is None:
+        return None
+    if isinstance(step, bool):
+        raise LogValueError(f"step={step!r} must be an int (or None), e.g. `step=100`.")
+    try:
+        return operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        if hasattr(step, "numel") and step.numel() == 1:  # a 1-element integer tensor
+            return _step(step.item())  # type: ignore[attr-defined]
+        raise LogValueError(
+            f"step={step!r:.60} must be an int (or None), e.g. `step=100`."
+        ) from None
+
+
+def log(values: Mapping[str, Any], *, step: int | None = None) -> None:
+    """Log ``values`` to every tracker of the active ``tracking()`` block (main process only).
+
+    Not a collective: call it on every rank or on the main process only (also inside an
+    ``@accel.on_main_process`` function). On other ranks it returns at once, without
+    converting anything. One-element tensors and numpy scalars are converted with
+    ``.item()``; nested dicts become ``"outer/inner"`` keys; other values are refused.
+
+    Args:
+        values: metric name -> int, float, str, 1-element tensor, numpy scalar (or a dict of
+            them).
+        step: the training step (``None``: each tracker's own counter; jsonl writes null).
+
+    Raises:
+        TrackingNotActiveError: on the main process, outside ``with accel.tracking(...)``.
+        LogValueError: a value cannot be logged (a ``TypeError`` and ``ValueError``).
+
+    Example:
+        >>> accel.log({"loss": loss, "lr": scheduler.get_last_lr()[0]}, step=step)
+    """
+    run = _RUN.get()
+    if run is None:
+        if not state().is_main_process:
+            return
+        raise TrackingNotActiveError(
+            "accel.log() was called outside a tracking block, so there is nowhere to log. "
+            "Wrap the training loop in `with accel.tracking(project_dir, log_with=('jsonl',)):`."
+        )
+    if not run.trackers:
+        return
+    at = _step(step)
+    clean = to_loggable(values)
+    for tracker in run.trackers.values():
+        tracker.log(clean, at)
+
+
+def get_tracker(name: str) -> Any:
+    """The native object of an active tracker (main process); ``None`` on other ranks.
+
+    ``"jsonl"``: the jsonl tracker (``.path``); ``"tensorboard"``: the ``SummaryWriter``;
+    ``"wandb"``: the wandb run; ``"mlflow"``: the tracker (``.client``, ``.run_id``); a custom
+    tracker: its ``native`` attribute if it has one, else the object.
+
+    Raises:
+        TrackingNotActiveError: called outside ``with accel.tracking(...)``.
+        ConfigError: ``name`` is not one of the block's trackers.
+
+    Example:
+        >>> writer = accel.get_tracker("tensorboard")
+        >>> if writer is not None:
+        ...     writer.add_histogram("weights", model.weight, step)
+    """
+    run = _RUN.get()
+    if run is None:
+        raise TrackingNotActiveError(
+            f"accel.get_tracker({name!r}) was called outside a tracking block. Call it "
+            "inside `with accel.tracking(project_dir, log_with=(...)):`."
+        )
+    key = name.lower() if name.lower() in _BUILTINS else name
+    if key not in run.tracker_names:
+        raise ConfigError(
+            f"No tracker named {name!r} in this tracking block; its trackers are "
+            f"{list(run.tracker_names)}. Add it to `log_with`."
+        )
+    tracker = run.trackers.get(key)
+    if tracker is None:  # not the main process
+        return None
+    return getattr(tracker, "native", tracker)

@@ -1,0 +1,106 @@
+"""``accel.join_uneven_inputs``: train DDP models on ranks that see different numbers of batches.
+
+A thin layer over ``torch.distributed.algorithms.Join``: ranks that run out of data early keep
+answering the others' gradient all-reduces ("shadowing") until every rank is done, instead of
+hanging the job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from torch.distributed.algorithms.join import Join, Joinable
+
+from accel._state import scope, state
+from accel.collectives import begin
+
+__all__ = ["EVEN_BATCHES_KEY", "join_uneven_inputs"]
+
+# ``scope().extras`` key holding the ``even_batches`` override of the innermost
+# ``join_uneven_inputs(..., even_batches=...)`` block; prepared data loaders that start
+# iterating inside the block read it (``None``/absent: use the loader's own setting).
+EVEN_BATCHES_KEY = "even_batches_override"
+
+
+def _as_joinables(joinables: Joinable | Sequence[Joinable]) -> list[Joinable]:
+    items: list[Any] = [joinables] if isinstance(joinables, Joinable) else list(joinables)
+    for item in items:
+        if not isinstance(item, Joinable):
+            raise TypeError(
+                f"accel.join_uneven_inputs() takes DDP-wrapped models (or other "
+                f"torch.distributed.algorithms.Joinable objects), got {type(item).__name__}. "
+                "Pass the prepared model, e.g. `accel.join_uneven_inputs([model])`."
+            )
+    return items
+
+
+@contextmanager
+def _even_batches(even_batches: bool | None) -> Iterator[None]:
+    """Override ``even_batches`` for the block: on the loaders being iterated now (those with
+    an ``even_batches`` attribute) and, through ``scope().extras``, for loaders started in it."""
+    if even_batches is None:
+        yield
+        return
+    record = scope()
+    previous_override = record.extras.get(EVEN_BATCHES_KEY)
+    changed = [
+        (loader, loader.even_batches)
+        for loader in record.active_loaders
+        if hasattr(loader, "even_batches")
+    ]
+    record.extras[EVEN_BATCHES_KEY] = even_batches
+    for loader, _ in changed:
+        loader.even_batches = even_batches
+    try:
+        yield
+    finally:
+        for loader, old in changed:
+            loader.even_batches = old
+        if previous_override is None:
+            record.extras.pop(EVEN_BATCHES_KEY, None)
+        else:
+            record.extras[EVEN_BATCHES_KEY] = previous_override
+
+
+@contextmanager
+def join_uneven_inputs(
+    joinables: Joinable | Sequence[Joinable], *, even_batches: bool | None = None
+) -> Iterator[None]:
+    """Let ranks with fewer batches finish early while DDP training continues on the others.
+
+    Every rank must enter it (it is a collective). Wraps ``torch.distributed.algorithms.Join``
+    around the block for the DDP-wrapped models (or optimizers such as
+    ``ZeroRedundancyOptimizer``) in ``joinables``; works on CPU (gloo) and GPU. On a single
+    process it only runs the block.
+
+    ``even_batches`` overrides the prepared data loaders' setting for the block: pass
+    ``even_batches=False`` so loaders stop padding the last batches with repeated samples
+    (Join handles the uneven ends instead). It applies to prepared loaders being iterated when
+    the block starts and to those started inside it (they read the override from the scope
+    record); other loaders are unaffected.
+
+    Args:
+        joinables: a DDP model, or a list of models/optimizers implementing ``Joinable``.
+        even_batches: ``True``/``False`` to override prepared loaders' ``even_batches``;
+            ``None`` leaves them.
+
+    Raises:
+        TypeError: an entry is not ``Joinable`` (e.g. a model not wrapped in DDP).
+
+    Example:
+        >>> model = accel.prepare_model(model)  # DDP on several processes
+        >>> with accel.join_uneven_inputs([model], even_batches=False):
+        ...     for batch in loader:
+        ...         loss = model(batch).sum()
+        ...         accel.backward(loss)
+        ...         optimizer.step()
+    """
+    begin("join_uneven_inputs")  # refuses to start inside a rank gate
+    with _even_batches(even_batches):
+        if state().world_size == 1:
+            yield
+            return
+        with Join(_as_joinables(joinables)):
+            yield
