@@ -282,6 +282,10 @@ class PreparedDataLoader(DataLoader[Any]):
         if plan.device is not None and plan.device.type != "cpu" and plan.mode != "dispatch":
             self._move = partial(map_tensors, partial(_move_to, plan.device, plan.non_blocking))
         self._dispatch_final: FinalRound | None = None
+        #: batch sizes may differ between ranks in any round (variable-size batch sampler)
+        self.ragged_batches = (
+            sharded is not None and sharded.spec.batch_size is None and plan.world_size > 1
+        )
         self.end_of_dataloader = False
         self.remainder = -1
         self.final_round = None

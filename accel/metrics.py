@@ -17,25 +17,61 @@ import torch
 
 from accel._sharding import FinalRound
 from accel._state import scope, state
-from accel._tree import first_non_tensor, zip_map_tensors
-from accel.collectives import gather, gather_object, pad_across_processes
+from accel._tree import first_non_tensor, map_tensors, tensor_leaves, zip_map_tensors
+from accel.collectives import gather, gather_object
 
 __all__ = ["gather_for_metrics", "merge_gathered_objects", "trim_gathered"]
 
 T = TypeVar("T")
 
 
-def _active_final() -> tuple[FinalRound | None, int]:
-    """The final round and remainder of the innermost loader when it is at its last batch."""
+def _active_loader() -> tuple[FinalRound | None, int, bool]:
+    """The innermost loader's final round and remainder (at its last batch) and raggedness."""
     loaders = scope().active_loaders
     if not loaders:
-        return None, -1
+        return None, -1, False
     loader = loaders[-1]
+    ragged = bool(getattr(loader, "ragged_batches", False))
     if not getattr(loader, "end_of_dataloader", False):
-        return None, -1
+        return None, -1, ragged
     final = getattr(loader, "final_round", None)
     remainder = getattr(loader, "remainder", -1)
-    return (final if isinstance(final, FinalRound) else None), int(remainder)
+    return (final if isinstance(final, FinalRound) else None), int(remainder), ragged
+
+
+def _pad_rows(rows: int, tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.ndim == 0 or tensor.shape[0] == rows:
+        return tensor
+    out = tensor.new_zeros((rows, *tensor.shape[1:]))
+    out[: tensor.shape[0]] = tensor
+    return out
+
+
+def _gather_ragged(data: T, world: int, real: tuple[int, ...] | None) -> T:
+    """Gather tensors whose first dimension differs between ranks, keeping real rows only.
+
+    Two collectives: the sizes of every leaf on every rank, then the leaves padded to the
+    longest. Rank ``r``'s rows are cut to its size (and to ``real[r]`` when given).
+    """
+    leaves = tensor_leaves(data)
+    if not leaves:
+        return gather(data)
+    mine = torch.tensor([t.shape[0] if t.ndim else 0 for t in leaves], device=leaves[0].device)
+    sizes = gather(mine).reshape(world, len(leaves)).tolist()
+    longest = [max(sizes[r][j] for r in range(world)) for j in range(len(leaves))]
+    position = iter(range(len(leaves)))
+    padded = map_tensors(lambda t: _pad_rows(longest[next(position)], t), data)
+    gathered = gather(padded)
+    position = iter(range(len(leaves)))
+
+    def cut(original: torch.Tensor, merged: torch.Tensor) -> torch.Tensor:
+        j = next(position)
+        if original.ndim == 0:
+            return merged
+        keep = [sizes[r][j] if real is None else min(sizes[r][j], real[r]) for r in range(world)]
+        return torch.cat([merged[r * longest[j] : r * longest[j] + keep[r]] for r in range(world)])
+
+    return zip_map_tensors(cut, data, gathered)  # type: ignore[no-any-return]
 
 
 def _trim_one(
@@ -120,8 +156,10 @@ def gather_for_metrics(data: T, *, use_gather_object: bool = False) -> T:
     padding is dropped, so over an epoch the results hold exactly the dataset's samples (with
     ``drop_last``, the samples the loader yielded). Every tensor's first dimension must be the
     batch dimension (0-d tensors give one value per rank and are not trimmed). Outside a
-    prepared loader's iteration it is a plain gather. With ``even_batches=False`` ranks may
-    get different numbers of batches; call it only where every rank has a batch.
+    prepared loader's iteration it is a plain gather. Where batch sizes differ between ranks
+    (variable-size batch samplers, the last round without ``even_batches``) tensors are padded,
+    gathered and cut back to each rank's rows. With ``even_batches=False`` ranks may get
+    different numbers of batches; call it only where every rank has a batch.
 
     Args:
         data: This rank's results for the current batch.
@@ -138,9 +176,10 @@ def gather_for_metrics(data: T, *, use_gather_object: bool = False) -> T:
         >>> len(seen)  # 10 samples were read on 2 processes, 1 was padding
         9
     """
-    if state().world_size == 1:
+    world = state().world_size
+    if world == 1:
         return data
-    final, remainder = _active_final()
+    final, remainder, ragged = _active_loader()
     if use_gather_object or first_non_tensor(data) is not None:
         per_rank = gather_object(data)
         if final is not None:
@@ -149,8 +188,8 @@ def gather_for_metrics(data: T, *, use_gather_object: bool = False) -> T:
         if remainder >= 0 and isinstance(merged, list):
             return merged[:remainder]  # type: ignore[return-value]
         return merged  # type: ignore[no-any-return]
-    if final is not None and final.ragged:
-        data = pad_across_processes(data)
+    if ragged or (final is not None and final.ragged):
+        return _gather_ragged(data, world, None if final is None else final.real)
     gathered = gather(data)
     if (final is None and remainder < 0) or (final is not None and not final.padded):
         return gathered
