@@ -427,6 +427,13 @@ def clip_grad_value_(parameters: Params, clip_value: float) -> None:
 
 
 # -- schedulers ---------------------------------------------------------------------------
+def _loader_splits_batches(loader: Any) -> bool:
+    split = getattr(loader, "split_batches", None)
+    if split is None:  # accel.data's PreparedDataLoader keeps it in its plan
+        split = getattr(getattr(loader, "_plan", None), "split_batches", False)
+    return bool(split)
+
+
 class PreparedScheduler(LRScheduler):
     """The user's scheduler, stepping with its optimizer's real steps.
 
@@ -496,7 +503,7 @@ class PreparedScheduler(LRScheduler):
         split = self.split_batches
         if split is None:
             loaders = sc.active_loaders
-            split = bool(getattr(loaders[-1], "split_batches", False)) if loaders else False
+            split = _loader_splits_batches(loaders[-1]) if loaders else False
         repeats = 1 if split or not self._per_batch else state().world_size
         for _ in range(repeats):
             total = getattr(scheduler, "total_steps", None)

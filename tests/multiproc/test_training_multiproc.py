@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
 
 import accel
 from accel.testing import run_distributed
@@ -113,14 +114,22 @@ def _parity_body(optimizer_steps: int) -> dict[str, Any]:
     return diffs
 
 
+def _parity_bodies(optimizer_steps: int, accumulations: tuple[int, ...]) -> list[Any]:
+    results = []
+    for steps in accumulations:
+        with accel.distributed(gradient_accumulation_steps=steps):
+            results.append(_parity_body(optimizer_steps))
+    return results
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("accumulation", [1, 3])
-def test_training_matches_single_process_and_raw_ddp(world_size: int, accumulation: int) -> None:
-    results = run_distributed(
-        _parity_body, 4, world_size=world_size, gradient_accumulation_steps=accumulation
-    )
+def test_training_matches_single_process_and_raw_ddp(world_size: int) -> None:
+    """With and without gradient accumulation (1 and 3 batches per step), atol 1e-6."""
+    results = run_distributed(_parity_bodies, 4, (1, 3), world_size=world_size)
     assert len(results) == world_size
+    for per_rank in results:
+        assert len(per_rank) == 2
 
 
 def _mixed_precision_body() -> dict[str, Any]:
@@ -192,3 +201,70 @@ def test_mixed_precision_skips_and_triggered_sync(world_size: int) -> None:
         assert result["trigger_diff"] <= 1e-6
     for p, q in zip(results[0]["weights"], results[-1]["weights"], strict=True):
         assert torch.equal(p, q)  # every rank took (and skipped) the same steps
+
+
+def _loader_body(rounds: int, epochs: int, split: bool) -> dict[str, Any]:
+    """A prepared loader drives accumulate: sync every k batches and on each epoch's last."""
+    st = accel.state()
+    world, k = st.world_size, st.gradient_accumulation_steps
+    global_batch = world * PER_RANK
+    xs, ys = _global_batches(rounds, world)
+    dataset = TensorDataset(xs.reshape(-1, FEATURES), ys.reshape(-1, 2))
+    base = _base_model()
+
+    net = copy.deepcopy(base)
+    raw_optimizer = _optimizer(net)
+    schedule = torch.optim.lr_scheduler.LambdaLR(raw_optimizer, lambda s: 1.0 / (1 + 0.1 * s))
+    if split:  # each global batch is cut in world_size slices
+        loader: Any = accel.prepare_data_loader(
+            DataLoader(dataset, batch_size=global_batch), split_batches=True
+        )
+    else:  # batch i goes to rank i % world_size
+        loader = DataLoader(dataset, batch_size=PER_RANK)
+    model, optimizer, loader, scheduler = accel.prepare(net, raw_optimizer, loader, schedule)
+    flags: list[bool] = []
+    for _ in range(epochs):
+        for x, y in loader:
+            with accel.accumulate(model) as sync:
+                accel.backward(nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            flags.append(sync)
+    per_epoch = [(i + 1) % k == 0 or i == rounds - 1 for i in range(rounds)]
+    assert flags == per_epoch * epochs, flags
+    real_steps = sum(flags)
+    assert scheduler.last_epoch == real_steps * (1 if split else world)
+
+    # one process: the original loader with the global batch, the same sync pattern,
+    # the scheduler stepped once per global step
+    reference = copy.deepcopy(base)
+    ref_optimizer = _optimizer(reference)
+    ref_schedule = torch.optim.lr_scheduler.LambdaLR(
+        ref_optimizer, lambda s: 1.0 / (1 + 0.1 * s)
+    )
+    for _ in range(epochs):
+        for index, (x, y) in enumerate(DataLoader(dataset, batch_size=global_batch)):
+            (nn.functional.mse_loss(reference(x), y) / k).backward()
+            if per_epoch[index]:
+                ref_optimizer.step()
+                for _ in range(1 if split else world):
+                    ref_schedule.step()
+                ref_optimizer.zero_grad()
+    diff = _max_diff(accel.unwrap_model(model), reference)
+    assert diff <= 1e-6, diff
+    assert scheduler.get_last_lr() == ref_schedule.get_last_lr()
+    return {"steps": real_steps, "diff": diff}
+
+
+def _loader_bodies(rounds: int, epochs: int) -> list[int]:
+    return [_loader_body(rounds, epochs, split)["steps"] for split in (False, True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_prepared_loader_drives_accumulation(world_size: int) -> None:
+    results = run_distributed(
+        _loader_bodies, 5, 2, world_size=world_size, gradient_accumulation_steps=2
+    )
+    assert results == [[6, 6]] * world_size
