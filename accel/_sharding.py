@@ -91,15 +91,17 @@ class FinalRound:
         return not self.ragged
 
 
-def skip_first(items: Iterable[T], count: int) -> Iterator[T]:
-    """Yield ``items`` without the first ``count`` (still consuming them).
+def skip_first(items: Iterable[T], count: int, *, keep: int = 0) -> Iterator[T]:
+    """Yield ``items`` without ``count`` of them after the first ``keep`` (still consuming them).
 
     Example:
         >>> list(skip_first([[0], [1], [2]], 2))
         [[2]]
+        >>> list(skip_first("abcde", 2, keep=1))
+        ['a', 'd', 'e']
     """
     for index, item in enumerate(items):
-        if index >= count:
+        if index < keep or index >= keep + count:
             yield item
 
 
@@ -340,6 +342,7 @@ def shard_stream(
     per_rank: int,
     drop_last: bool,
     skip: int = 0,
+    keep: int = 0,
     record: Recorder | None = None,
 ) -> Iterator[T]:
     """This rank's elements of a stream, Accelerate's ``IterableDatasetShard`` rule.
@@ -355,7 +358,9 @@ def shard_stream(
         world_size: Number of processes.
         per_rank: Elements per rank and chunk (the per-rank batch size).
         drop_last: Drop a short last chunk.
-        skip: Number of this rank's leading elements to read and drop (resuming).
+        skip: Number of this rank's elements to read and drop (resuming), after the first
+            ``keep`` ones.
+        keep: Number of this rank's leading elements yielded before skipping.
         record: Called once at the end with the :class:`FinalRound` (in batches of
             ``per_rank``).
 
@@ -373,7 +378,7 @@ def shard_stream(
         chunk.append(element)
         if len(chunk) == chunk_size:
             for item in chunk[lo:hi]:
-                if sent >= skip:
+                if sent < keep or sent >= keep + skip:
                     yield item
                 sent += 1
             if first is None:
@@ -393,7 +398,7 @@ def shard_stream(
         tail = (chunk + pool[: chunk_size - len(chunk)])[lo:hi]
         final = FinalRound(sizes=whole, real=split_counts(len(chunk), per_rank, world_size))
     for item in tail:
-        if sent >= skip:
+        if sent < keep or sent >= keep + skip:
             yield item
         sent += 1
     if record is not None:

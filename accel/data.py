@@ -122,6 +122,7 @@ class _ShardedBatchSampler(Sampler[list[Any]]):
         self.reseed = reseed
         self.epoch = 0
         self.skip = 0
+        self.keep = 0  # batches yielded before the skipped ones
         self.final_round: FinalRound | None = None
 
     def _record(self, final: FinalRound) -> None:
@@ -131,7 +132,7 @@ class _ShardedBatchSampler(Sampler[list[Any]]):
         self.reseed(self.epoch)
         self.final_round = None
         batches = self.spec.shard(self.batch_sampler, self._record)
-        return skip_first(batches, self.skip) if self.skip else batches
+        return skip_first(batches, self.skip, keep=self.keep) if self.skip else batches
 
     def __len__(self) -> int:
         total = len(self.batch_sampler)  # type: ignore[arg-type]
@@ -155,6 +156,7 @@ class _StreamShard(IterableDataset[Any]):
         self.per_rank = per_rank
         self.drop_last = drop_last
         self.skip = 0
+        self.keep = 0  # elements yielded before the skipped ones
         self.final_round: FinalRound | None = None
 
     def _record(self, final: FinalRound) -> None:
@@ -169,6 +171,7 @@ class _StreamShard(IterableDataset[Any]):
             per_rank=self.per_rank,
             drop_last=self.drop_last,
             skip=self.skip,
+            keep=self.keep,
             record=self._record,
         )
 
@@ -480,11 +483,10 @@ class PreparedDataLoader(DataLoader[Any]):
                         current = next(rounds, _END)
                     upcoming = _END if current is _END else next(rounds, _END)
                     if current is not _END:
-                        header = (_skeleton(current), upcoming is _END)
+                        header = (_skeleton(current), upcoming is _END, first and start > 0)
                 except Exception as exc:  # sent to the other ranks, then re-raised here
                     failure = exc
                     header = ("failed", f"{type(exc).__name__}: {exc}")
-            first = False
             header = broadcast_object(header)
             if header is None:
                 return
@@ -492,14 +494,22 @@ class PreparedDataLoader(DataLoader[Any]):
                 if failure is not None:
                     raise failure
                 raise RemoteError(f"rank 0 failed to read the batch to dispatch: {header[1]}")
-            skeleton, last = header
-            batch = map_tensors(to_device if rank == 0 else allocate, current if rank == 0
-                                else skeleton)
+            skeleton, last, padding_only = header
+            first = False
+            if rank == 0:
+                batch = map_tensors(to_device, current)
+            else:
+                batch = map_tensors(allocate, skeleton)
             batch = broadcast(batch)
-            observed = tensor_leaves(batch)[0].shape[0]
-            per_rank = dispatch_slice_size(observed, world, last=last)
             if pad_source is None:
                 pad_source = map_tensors(partial(_rows, 0, world, True), batch)
+            if padding_only:  # resuming: the epoch's first round only provides padding
+                if last:
+                    return
+                current = upcoming
+                continue
+            observed = tensor_leaves(batch)[0].shape[0]
+            per_rank = dispatch_slice_size(observed, world, last=last)
             if per_rank * world != observed:
                 batch = zip_map_tensors(
                     partial(_pad_cycling, per_rank * world - observed), batch, pad_source
@@ -518,15 +528,24 @@ class PreparedDataLoader(DataLoader[Any]):
             current = upcoming
 
     def _base_rounds(self, epoch: int, skip: int, group: int) -> Iterator[Any]:
-        """Rank 0: the base loader's batches, ``group`` at a time, concatenated."""
+        """Rank 0: the base loader's batches, ``group`` at a time, concatenated.
+
+        When resuming (``skip > 0``) the first round is still read (its first samples pad
+        the last round, as in an uninterrupted epoch), then ``skip`` batches are skipped.
+        """
         base = self._base
         assert base is not None
+        keep = group if skip else 0
+        skip -= keep
         sampler = base.batch_sampler
+        if not isinstance(sampler, _ShardedBatchSampler):
+            sampler = base.sampler
         if isinstance(sampler, _ShardedBatchSampler):
-            sampler.epoch, sampler.skip = epoch, skip
+            sampler.epoch, sampler.skip, sampler.keep = epoch, skip, keep
         dataset = base.dataset
         if isinstance(dataset, _StreamShard):
             dataset.skip = skip * dataset.per_rank
+            dataset.keep = keep * dataset.per_rank
             set_epoch = getattr(dataset.dataset, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(epoch)

@@ -178,6 +178,10 @@ def test_iterable_shards_match_accelerate() -> None:
 def test_small_helpers() -> None:
     assert split_counts(5, 2, 4) == (2, 2, 1, 0)
     assert list(skip_first("abcd", 2)) == ["c", "d"]
+    assert list(skip_first("abcdef", 2, keep=1)) == ["a", "d", "e", "f"]
+    kept = shard_stream(range(12), rank=1, world_size=2, per_rank=2, drop_last=False,
+                        skip=2, keep=2)
+    assert list(kept) == [2, 3, 10, 11]
     assert dispatch_slice_size(6, 3, last=False) == 2
     assert dispatch_slice_size(7, 3, last=True) == 3
     with pytest.raises(ConfigError, match="dispatch_batches"):
