@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import json
+import mmap
 import os
 import struct
 import sys
 import zlib
 from collections.abc import Mapping
-from typing import IO, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import attrs
 import torch
@@ -148,16 +149,6 @@ def write_bytes(
     return FileRecord(name=name, size=len(data), crc32=zlib.crc32(data))
 
 
-def _read_all(f: IO[bytes], view: memoryview) -> int:
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got : got + _CHUNK])  # type: ignore[attr-defined]
-        if not n:
-            break
-        got += n
-    return got
-
-
 def _corrupt(path: str | os.PathLike[str], what: str) -> CheckpointError:
     return CheckpointError(
         f"Checkpoint file {os.fspath(path)!r} is corrupted or truncated: {what}. Load an "
@@ -168,48 +159,57 @@ def _corrupt(path: str | os.PathLike[str], what: str) -> CheckpointError:
 def read_safetensors(
     path: str | os.PathLike[str], *, expected_crc32: int | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Read a safetensors file into new CPU tensors, checking its structure and CRC32.
+    """Map a safetensors file and return its tensors, after checking structure and CRC32.
+
+    The tensors are views of a private (copy-on-write) memory map of the file: no copy is
+    made until something writes to them, and changes never reach the file. Tensors whose
+    offset is not aligned for their dtype are copied.
 
     Raises:
         CheckpointError: the file is truncated, malformed, or its CRC32 differs.
     """
     size = os.path.getsize(path)
-    tensors: dict[str, torch.Tensor] = {}
+    if size < 8:
+        raise _corrupt(path, f"only {size} bytes")
     with open(path, "rb") as f:
-        raw_len = f.read(8)
-        if len(raw_len) < 8:
-            raise _corrupt(path, f"only {size} bytes")
-        (header_len,) = struct.unpack("<Q", raw_len)
-        if header_len > size - 8:
-            raise _corrupt(path, f"header of {header_len} bytes in a file of {size}")
-        raw_header = f.read(header_len)
-        crc = zlib.crc32(raw_header, zlib.crc32(raw_len))
-        try:
-            header = json.loads(raw_header)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise _corrupt(path, f"unreadable header ({exc})") from None
-        if not isinstance(header, dict):
-            raise _corrupt(path, "header is not a JSON object")
-        metadata = header.pop("__metadata__", None) or {}
-        entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-        position = 0
-        for name, info in entries:
-            start, end = info["data_offsets"]
-            dtype = _NAMES.get(info["dtype"])
-            if dtype is None or start != position:
-                raise _corrupt(path, f"bad entry for tensor {name!r}: {info}")
-            tensor = torch.empty(info["shape"], dtype=dtype)
-            view = _view(tensor)
-            if len(view) != end - start:
-                raise _corrupt(path, f"tensor {name!r} has {end - start} bytes for {info}")
-            got = _read_all(f, view)
-            if got != len(view):
-                raise _corrupt(path, f"tensor {name!r} is cut short ({got} of {len(view)} bytes)")
-            crc = zlib.crc32(view, crc)
-            tensors[name] = tensor
-            position = end
-        if f.read(1):
-            raise _corrupt(path, "trailing bytes after the last tensor")
-    if expected_crc32 is not None and crc != expected_crc32:
-        raise _corrupt(path, f"CRC32 {crc:#010x} is not the manifest's {expected_crc32:#010x}")
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    (header_len,) = struct.unpack("<Q", mapped[:8])
+    if header_len > size - 8:
+        raise _corrupt(path, f"header of {header_len} bytes in a file of {size}")
+    try:
+        header = json.loads(mapped[8 : 8 + header_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _corrupt(path, f"unreadable header ({exc})") from None
+    if not isinstance(header, dict):
+        raise _corrupt(path, "header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    base = 8 + header_len
+    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    position = 0
+    for name, info in entries:
+        start, end = info["data_offsets"]
+        dtype = _NAMES.get(info["dtype"])
+        if dtype is None or start != position or end < start:
+            raise _corrupt(path, f"bad entry for tensor {name!r}: {info}")
+        position = end
+    if base + position != size:
+        what = "cut short" if base + position > size else "trailing bytes after the last tensor"
+        raise _corrupt(path, f"{what} ({size} bytes, the header describes {base + position})")
+    if expected_crc32 is not None:
+        crc = zlib.crc32(mapped)  # releases the GIL: files are checked in parallel threads
+        if crc != expected_crc32:
+            raise _corrupt(
+                path, f"CRC32 {crc:#010x} is not the manifest's {expected_crc32:#010x}"
+            )
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in entries:
+        start, end = info["data_offsets"]
+        dtype = _NAMES[info["dtype"]]
+        if end == start:
+            tensors[name] = torch.empty(info["shape"], dtype=dtype)
+            continue
+        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=end - start, offset=base + start)
+        if (base + start) % dtype.itemsize:
+            raw = raw.clone()
+        tensors[name] = raw.view(dtype).reshape(info["shape"])
     return tensors, {str(k): str(v) for k, v in metadata.items()}

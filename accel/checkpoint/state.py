@@ -21,6 +21,7 @@ import os
 import re
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -353,13 +354,23 @@ def _load_from(path: Path, objects: dict[str, Any], rank: int, world_size: int) 
             "names the objects were saved under."
         )
     files = {f["name"]: f for f in manifest["files"]}
-    for name, obj in objects.items():
-        _load_into(obj, _read_object(path, name, files))
     scaler = scope().grad_scaler
+    wanted = list(objects)
     if scaler is not None and GRAD_SCALER in saved:
-        scaler.load_state_dict(_read_object(path, GRAD_SCALER, files))
-    if manifest["world_size"] == world_size:
-        set_rng_state(_read_object(path, f"rng_rank{rank}", files))
+        wanted.append(GRAD_SCALER)
+    same_world = manifest["world_size"] == world_size
+    if same_world:
+        wanted.append(f"rng_rank{rank}")
+    # Files are mapped and CRC-checked in parallel (zlib releases the GIL), then loaded.
+    with ThreadPoolExecutor(max_workers=min(len(wanted), os.cpu_count() or 1) or 1) as pool:
+        loaded = dict(zip(wanted, pool.map(lambda n: _read_object(path, n, files), wanted),
+                          strict=True))
+    for name, obj in objects.items():
+        _load_into(obj, loaded[name])
+    if GRAD_SCALER in loaded and scaler is not None:
+        scaler.load_state_dict(loaded[GRAD_SCALER])
+    if same_world:
+        set_rng_state(loaded[f"rng_rank{rank}"])
     else:
         warnings.warn(
             f"The checkpoint was saved by {manifest['world_size']} processes and is loaded by "
