@@ -156,10 +156,15 @@ def _search(
         tried: list[int] = []
         while True:
             if batch_size < 1:
+                what = (
+                    f"it ran out of memory at every batch size tried {tried}"
+                    if tried
+                    else "starting_batch_size is 0"
+                )
                 raise NoExecutableBatchSizeError(
-                    f"{name}() ran out of memory at every batch size tried {tried}. Reduce "
-                    "the model or sequence size, enable mixed precision, or start from "
-                    "`@accel.find_executable_batch_size(starting_batch_size=...)`."
+                    f"No executable batch size found for {name}(): {what}. Reduce the model "
+                    "or sequence size, enable mixed precision, or start from a size that "
+                    "fits: `@accel.find_executable_batch_size(starting_batch_size=...)`."
                 )
             tried.append(batch_size)
             error: BaseException | None = None
@@ -223,7 +228,8 @@ def find_executable_batch_size(
     Raises:
         TypeError: ``function``'s first parameter is not ``batch_size``, or the wrapped
             function is called with a batch size.
-        NoExecutableBatchSizeError: even batch size 1 ran out of memory.
+        NoExecutableBatchSizeError: even batch size 1 ran out of memory (a
+            ``RuntimeError``).
 
     Example:
         >>> @accel.find_executable_batch_size(starting_batch_size=256)
@@ -236,10 +242,10 @@ def find_executable_batch_size(
     if (
         isinstance(starting_batch_size, bool)
         or not isinstance(starting_batch_size, int)
-        or starting_batch_size < 1
+        or starting_batch_size < 0
     ):
         raise ConfigError(
-            f"starting_batch_size={starting_batch_size!r} must be an integer >= 1, e.g. "
+            f"starting_batch_size={starting_batch_size!r} must be a positive integer, e.g. "
             "`@accel.find_executable_batch_size(starting_batch_size=64)`."
         )
     if function is None:

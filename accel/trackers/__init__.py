@@ -212,11 +212,6 @@ def _start_all(
     init_kwargs: Mapping[str, Mapping[str, Any]],
 ) -> TrackingRun:
     names = tuple(e if isinstance(e, str) else e.name for e in entries)
-    unknown = sorted(set(init_kwargs) - set(names))
-    if unknown:
-        raise ConfigError(
-            f"init_kwargs has options for {unknown!r}, which are not in log_with {names!r}."
-        )
     for entry in entries:  # fail before creating anything when a package is missing
         if isinstance(entry, str):
             _require_installed(entry)
@@ -294,13 +289,19 @@ def tracking(
         ...         loss = train_step(batch)
         ...         accel.log({"loss": loss}, step=step)
     """
-    entries = _resolve(log_with)
+    entries = _resolve(log_with)  # every rank validates the arguments
     settings = _plain_config(config)
     options = dict(init_kwargs or {})
+    names = tuple(e if isinstance(e, str) else e.name for e in entries)
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"init_kwargs has options for {unknown!r}, which are not in log_with {names!r}; "
+            f"add them to log_with or remove them from init_kwargs."
+        )
     if state().is_main_process:
         run = _start_all(entries, Path(project_dir), run_name, settings, options)
     else:
-        names = tuple(e if isinstance(e, str) else e.name for e in entries)
         run = TrackingRun(name=run_name, directory=None, tracker_names=names, trackers={})
     token = _RUN.set(run)
     try:

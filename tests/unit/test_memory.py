@@ -110,10 +110,13 @@ def test_other_errors_propagate_at_once() -> None:
 def test_nothing_fits() -> None:
     tried: list[int] = []
     run = accel.find_executable_batch_size(_oom_above(0, tried), starting_batch_size=5)
-    with pytest.raises(NoExecutableBatchSizeError, match=r"\[5, 2, 1\]"):
+    with pytest.raises(NoExecutableBatchSizeError, match=r"every batch size tried \[5, 2, 1\]"):
         run()
     assert tried == [5, 2, 1]
     assert isinstance(NoExecutableBatchSizeError("x"), RuntimeError)
+    with pytest.raises(RuntimeError, match=r"No executable batch size found.*is 0"):
+        accel.find_executable_batch_size(_oom_above(0, tried), starting_batch_size=0)()
+    assert tried == [5, 2, 1]
 
 
 def test_misuse_is_a_clear_type_error() -> None:
@@ -139,8 +142,8 @@ def test_misuse_is_a_clear_type_error() -> None:
 
     with pytest.raises(TypeError, match="starting_batch_size=64"):
         accel.find_executable_batch_size(64)  # type: ignore[call-overload]
-    with pytest.raises(ConfigError, match="starting_batch_size=0"):
-        accel.find_executable_batch_size(starting_batch_size=0)
+    with pytest.raises(ConfigError, match="starting_batch_size=-1"):
+        accel.find_executable_batch_size(starting_batch_size=-1)
 
 
 def test_variadic_functions_accept_any_arguments() -> None:
