@@ -1,9 +1,9 @@
-"""Pure sharding maths: which indices or samples each rank gets, and the padding at the end.
+"""Sharding maths: which indices or samples each rank gets, and the padding at the end.
 
-Nothing here touches processes, devices or ``torch.utils.data``; the loader in
-:mod:`accel.data` drives these generators. The rules are Accelerate's (``BatchSamplerShard``,
-``IterableDatasetShard``, ``DataLoaderDispatcher``) so that ported training scripts see the
-same batches:
+The generators here are pure (no processes, no devices); :class:`ShardedBatchSampler` and
+:class:`StreamShard` apply them per epoch inside the loaders of :mod:`accel.data`. The rules
+are Accelerate's (``BatchSamplerShard``, ``IterableDatasetShard``, ``DataLoaderDispatcher``)
+so that ported training scripts see the same batches:
 
 - without ``split_batches``, batch ``i`` of the original loader goes to rank
   ``i % world_size``; with it, every batch is cut into ``world_size`` equal slices;
@@ -21,12 +21,17 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import attrs
+import torch
+from torch.utils.data import BatchSampler, IterableDataset, Sampler
 
 from accel.errors import ConfigError
 
 __all__ = [
     "FinalRound",
+    "Reseeder",
     "ShardSpec",
+    "ShardedBatchSampler",
+    "StreamShard",
     "dispatch_slice_size",
     "shard_stream",
     "skip_first",
@@ -447,3 +452,124 @@ def dispatch_slice_size(observed: int, world_size: int, *, last: bool) -> int:
             "number of processes, or `prepare_data_loader(loader, dispatch_batches=False)`."
         )
     return per_rank + 1
+
+
+# --------------------------------------------------------------------------- torch wrappers
+
+
+@attrs.define(eq=False)
+class Reseeder:
+    """Per epoch: reseed the sampler's generator with ``seed + epoch`` and call ``set_epoch``.
+
+    Example:
+        >>> Reseeder(torch.Generator(), 7, (sampler,))(2)  # seed 9, sampler.set_epoch(2)
+    """
+
+    generator: torch.Generator | None
+    seed: int
+    targets: tuple[Any, ...]
+
+    def __call__(self, epoch: int) -> None:
+        if self.generator is not None:
+            self.generator.manual_seed(self.seed + epoch)
+        for target in self.targets:
+            target.set_epoch(epoch)
+
+
+class ShardedBatchSampler(Sampler[list[Any]]):
+    """This rank's batches of a (copied) batch sampler; reseeded per epoch; skips index-only.
+
+    ``epoch``, ``skip`` and ``keep`` are read when an iteration starts; ``final_round`` is set
+    when the batch sampler is exhausted.
+
+    Example:
+        >>> spec = ShardSpec(rank=1, world_size=2, batch_size=2)
+        >>> list(ShardedBatchSampler(BatchSampler(range(6), 2, False), spec, Reseeder(None, 0, ())))
+        [[2, 3], [0, 1]]
+    """
+
+    def __init__(
+        self, batch_sampler: Iterable[list[Any]], spec: ShardSpec, reseed: Reseeder
+    ) -> None:
+        super().__init__()
+        self.batch_sampler = batch_sampler
+        self.spec = spec
+        self.reseed = reseed
+        self.epoch = 0
+        self.skip = 0
+        self.keep = 0  # batches yielded before the skipped ones
+        self.final_round: FinalRound | None = None
+
+    def _record(self, final: FinalRound) -> None:
+        self.final_round = final
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        self.reseed(self.epoch)
+        self.final_round = None
+        batches = self.spec.shard(self.batch_sampler, self._record)
+        return skip_first(batches, self.skip, keep=self.keep) if self.skip else batches
+
+    def __len__(self) -> int:
+        total = len(self.batch_sampler)  # type: ignore[arg-type]
+        last: int | None = None
+        inner = getattr(self.batch_sampler, "sampler", None)
+        size = self.spec.batch_size
+        if isinstance(self.batch_sampler, BatchSampler) and size and hasattr(inner, "__len__"):
+            last = len(inner) % size or size  # type: ignore[arg-type]
+        return self.spec.num_batches(total, last)
+
+
+class StreamShard(IterableDataset[Any]):
+    """This rank's elements of an iterable dataset (see :func:`shard_stream`).
+
+    Example:
+        >>> list(StreamShard(range(5), rank=1, world_size=2, per_rank=2, drop_last=False))
+        [2, 3, 1, 2]
+    """
+
+    def __init__(
+        self, dataset: Any, *, rank: int, world_size: int, per_rank: int, drop_last: bool
+    ) -> None:
+        self.dataset = dataset
+        self.rank = rank
+        self.world_size = world_size
+        self.per_rank = per_rank
+        self.drop_last = drop_last
+        self.skip = 0
+        self.keep = 0  # elements yielded before the skipped ones
+        self.final_round: FinalRound | None = None
+
+    def _record(self, final: FinalRound) -> None:
+        self.final_round = final
+
+    def __iter__(self) -> Iterator[Any]:
+        self.final_round = None
+        return shard_stream(
+            self.dataset,
+            rank=self.rank,
+            world_size=self.world_size,
+            per_rank=self.per_rank,
+            drop_last=self.drop_last,
+            skip=self.skip,
+            keep=self.keep,
+            record=self._record,
+        )
+
+    def __len__(self) -> int:
+        length = len(self.dataset)
+        chunk = self.per_rank * self.world_size
+        if self.world_size == 1:
+            return length
+        chunks = length // chunk if self.drop_last else -(-length // chunk)
+        return chunks * self.per_rank
+
+    def expected_final_round(self) -> FinalRound | None:
+        """The last round computed from ``len(dataset)``, or ``None`` for unsized datasets."""
+        if not hasattr(self.dataset, "__len__"):
+            return None
+        return stream_final_round(
+            len(self.dataset),
+            world_size=self.world_size,
+            per_rank=self.per_rank,
+            drop_last=self.drop_last,
+        )

@@ -22,26 +22,25 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, Literal
 
 import attrs
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
+from accel._dispatch import concat_rounds, dispatch_rounds
 from accel._sharding import (
     FinalRound,
+    Reseeder,
+    ShardedBatchSampler,
     ShardSpec,
-    dispatch_slice_size,
-    shard_stream,
-    skip_first,
-    split_counts,
-    stream_final_round,
+    StreamShard,
 )
 from accel._state import state
-from accel._tree import first_non_tensor, map_tensors, tensor_leaves, zip_map_tensors
-from accel.errors import AccelError, CheckpointError, ConfigError, RemoteError
+from accel._tree import map_tensors
+from accel.errors import AccelError, CheckpointError, ConfigError
 
 __all__ = ["PreparedDataLoader", "prepare_data_loader", "skip_first_batches"]
 
@@ -54,21 +53,6 @@ class DataLoaderTypeError(AccelError, TypeError):
 
 
 # --------------------------------------------------------------------------- epoch seeding
-
-
-@attrs.define(eq=False)
-class _Reseeder:
-    """Per epoch: reseed the sampler's generator with ``seed + epoch`` and call ``set_epoch``."""
-
-    generator: torch.Generator | None
-    seed: int
-    targets: tuple[Any, ...]
-
-    def __call__(self, epoch: int) -> None:
-        if self.generator is not None:
-            self.generator.manual_seed(self.seed + epoch)
-        for target in self.targets:
-            target.set_epoch(epoch)
 
 
 def _fresh_seed(*, shared: bool) -> int:
@@ -84,7 +68,7 @@ def _fresh_seed(*, shared: bool) -> int:
     return seed
 
 
-def _seeded_copy(batch_sampler: Any, dataset: Any, *, shared: bool) -> tuple[Any, _Reseeder]:
+def _seeded_copy(batch_sampler: Any, dataset: Any, *, shared: bool) -> tuple[Any, Reseeder]:
     """Copy the batch sampler (and its random sampler) so the copy has its own generator."""
     batch_sampler = copy.copy(batch_sampler)
     inner = getattr(batch_sampler, "sampler", None)
@@ -104,95 +88,7 @@ def _seeded_copy(batch_sampler: Any, dataset: Any, *, shared: bool) -> tuple[Any
         for obj in (inner, batch_sampler, dataset)
         if obj is not None and callable(getattr(obj, "set_epoch", None))
     )
-    return batch_sampler, _Reseeder(generator, seed, targets)
-
-
-# --------------------------------------------------------------------------- index level
-
-
-class _ShardedBatchSampler(Sampler[list[Any]]):
-    """This rank's batches of a (copied) batch sampler; reseeded per epoch; skips index-only."""
-
-    def __init__(
-        self, batch_sampler: Iterable[list[Any]], spec: ShardSpec, reseed: _Reseeder
-    ) -> None:
-        super().__init__()
-        self.batch_sampler = batch_sampler
-        self.spec = spec
-        self.reseed = reseed
-        self.epoch = 0
-        self.skip = 0
-        self.keep = 0  # batches yielded before the skipped ones
-        self.final_round: FinalRound | None = None
-
-    def _record(self, final: FinalRound) -> None:
-        self.final_round = final
-
-    def __iter__(self) -> Iterator[list[Any]]:
-        self.reseed(self.epoch)
-        self.final_round = None
-        batches = self.spec.shard(self.batch_sampler, self._record)
-        return skip_first(batches, self.skip, keep=self.keep) if self.skip else batches
-
-    def __len__(self) -> int:
-        total = len(self.batch_sampler)  # type: ignore[arg-type]
-        last: int | None = None
-        inner = getattr(self.batch_sampler, "sampler", None)
-        size = self.spec.batch_size
-        if isinstance(self.batch_sampler, BatchSampler) and size and hasattr(inner, "__len__"):
-            last = len(inner) % size or size  # type: ignore[arg-type]
-        return self.spec.num_batches(total, last)
-
-
-class _StreamShard(IterableDataset[Any]):
-    """This rank's elements of an iterable dataset (see :func:`accel._sharding.shard_stream`)."""
-
-    def __init__(
-        self, dataset: Any, *, rank: int, world_size: int, per_rank: int, drop_last: bool
-    ) -> None:
-        self.dataset = dataset
-        self.rank = rank
-        self.world_size = world_size
-        self.per_rank = per_rank
-        self.drop_last = drop_last
-        self.skip = 0
-        self.keep = 0  # elements yielded before the skipped ones
-        self.final_round: FinalRound | None = None
-
-    def _record(self, final: FinalRound) -> None:
-        self.final_round = final
-
-    def __iter__(self) -> Iterator[Any]:
-        self.final_round = None
-        return shard_stream(
-            self.dataset,
-            rank=self.rank,
-            world_size=self.world_size,
-            per_rank=self.per_rank,
-            drop_last=self.drop_last,
-            skip=self.skip,
-            keep=self.keep,
-            record=self._record,
-        )
-
-    def __len__(self) -> int:
-        length = len(self.dataset)
-        chunk = self.per_rank * self.world_size
-        if self.world_size == 1:
-            return length
-        chunks = length // chunk if self.drop_last else -(-length // chunk)
-        return chunks * self.per_rank
-
-    def expected_final_round(self) -> FinalRound | None:
-        """The last round computed from ``len(dataset)``, or ``None`` for unsized datasets."""
-        if not hasattr(self.dataset, "__len__"):
-            return None
-        return stream_final_round(
-            len(self.dataset),
-            world_size=self.world_size,
-            per_rank=self.per_rank,
-            drop_last=self.drop_last,
-        )
+    return batch_sampler, Reseeder(generator, seed, targets)
 
 
 # --------------------------------------------------------------------------- the loader
@@ -269,8 +165,8 @@ class PreparedDataLoader(DataLoader[Any]):
         dataset: Any,
         *,
         plan: _Plan,
-        sharded: _ShardedBatchSampler | None = None,
-        stream: _StreamShard | None = None,
+        sharded: ShardedBatchSampler | None = None,
+        stream: StreamShard | None = None,
         base: DataLoader[Any] | None = None,
         **options: Any,
     ) -> None:
@@ -453,79 +349,21 @@ class PreparedDataLoader(DataLoader[Any]):
     # ---------------------------------------------------------------- dispatch
 
     def _dispatch(self, epoch: int, start: int) -> Iterator[Any]:
-        """All ranks: rank 0 reads whole rounds, broadcasts them; each keeps its slice."""
-        from accel.collectives import broadcast, broadcast_object
-
+        """All ranks: rank 0 reads whole rounds and broadcasts them; each keeps its slice."""
         plan = self._plan
-        rank, world = plan.rank, plan.world_size
         assert plan.device is not None
-        assert self._base is not None
-        device = plan.device
-        group = 1 if plan.split_batches else world
+        group = 1 if plan.split_batches else plan.world_size
         rounds: Iterator[Any] = iter(())
-        if rank == 0:
+        if plan.rank == 0:
             rounds = self._base_rounds(epoch, start * group, group)
-        current: Any = _END
-        upcoming: Any = _END
-        first = True
-        pad_source: Any = None
-        to_device = partial(_move_to, device, False)
-        allocate = partial(_allocate, device)
-        sliced_size = -1
-        take = partial(_rows, 0, 0, False)
         self._dispatch_final = None
-        while True:
-            header: Any = None
-            failure: BaseException | None = None
-            if rank == 0:
-                try:
-                    if first:
-                        current = next(rounds, _END)
-                    upcoming = _END if current is _END else next(rounds, _END)
-                    if current is not _END:
-                        header = (_skeleton(current), upcoming is _END, first and start > 0)
-                except Exception as exc:  # sent to the other ranks, then re-raised here
-                    failure = exc
-                    header = ("failed", f"{type(exc).__name__}: {exc}")
-            header = broadcast_object(header)
-            if header is None:
-                return
-            if header[0] == "failed":
-                if failure is not None:
-                    raise failure
-                raise RemoteError(f"rank 0 failed to read the batch to dispatch: {header[1]}")
-            skeleton, last, padding_only = header
-            first = False
-            if rank == 0:
-                batch = map_tensors(to_device, current)
-            else:
-                batch = map_tensors(allocate, skeleton)
-            batch = broadcast(batch)
-            if pad_source is None:
-                pad_source = map_tensors(partial(_rows, 0, world, True), batch)
-            if padding_only:  # resuming: the epoch's first round only provides padding
-                if last:
-                    return
-                current = upcoming
-                continue
-            observed = tensor_leaves(batch)[0].shape[0]
-            per_rank = dispatch_slice_size(observed, world, last=last)
-            if per_rank * world != observed:
-                batch = zip_map_tensors(
-                    partial(_pad_cycling, per_rank * world - observed), batch, pad_source
-                )
-            if per_rank != sliced_size:
-                sliced_size = per_rank
-                take = partial(_rows, rank * per_rank, (rank + 1) * per_rank, False)
-            piece = map_tensors(take, batch)
-            if last:
-                self._dispatch_final = FinalRound(
-                    sizes=(per_rank,) * world, real=split_counts(observed, per_rank, world)
-                )
-            yield piece
-            if last:
-                return
-            current = upcoming
+        return dispatch_rounds(
+            rounds, rank=plan.rank, world_size=plan.world_size, device=plan.device,
+            resume=start > 0, record=self._record_dispatch,
+        )
+
+    def _record_dispatch(self, final: FinalRound) -> None:
+        self._dispatch_final = final
 
     def _base_rounds(self, epoch: int, skip: int, group: int) -> Iterator[Any]:
         """Rank 0: the base loader's batches, ``group`` at a time, concatenated.
@@ -538,71 +376,18 @@ class PreparedDataLoader(DataLoader[Any]):
         keep = group if skip else 0
         skip -= keep
         sampler = base.batch_sampler
-        if not isinstance(sampler, _ShardedBatchSampler):
+        if not isinstance(sampler, ShardedBatchSampler):
             sampler = base.sampler
-        if isinstance(sampler, _ShardedBatchSampler):
+        if isinstance(sampler, ShardedBatchSampler):
             sampler.epoch, sampler.skip, sampler.keep = epoch, skip, keep
         dataset = base.dataset
-        if isinstance(dataset, _StreamShard):
+        if isinstance(dataset, StreamShard):
             dataset.skip = skip * dataset.per_rank
             dataset.keep = keep * dataset.per_rank
             set_epoch = getattr(dataset.dataset, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(epoch)
-        return _concat_rounds(iter(base), group, drop_last=self._plan.drop_last)
-
-
-def _concat_rounds(batches: Iterator[Any], group: int, *, drop_last: bool) -> Iterator[Any]:
-    while True:
-        parts = [batch for _, batch in zip(range(group), batches, strict=False)]
-        if not parts or (len(parts) < group and drop_last):
-            return
-        if len(parts) == 1:
-            yield parts[0]
-        else:
-            try:
-                yield zip_map_tensors(lambda *ts: torch.cat(ts), *parts)
-            except (RuntimeError, ValueError) as exc:
-                raise ConfigError(
-                    "dispatch_batches=True concatenates the batches of one round, but they "
-                    f"differ in structure or shape ({exc}). Use "
-                    "`prepare_data_loader(loader, split_batches=True)` or "
-                    "`dispatch_batches=False`."
-                ) from exc
-        if len(parts) < group:
-            return
-
-
-def _skeleton(batch: Any) -> Any:
-    found = first_non_tensor(batch)
-    if found is not None:
-        raise ConfigError(
-            "dispatch_batches=True broadcasts tensors, but the batch holds "
-            f"{type(found[1]).__name__} {found[1]!r:.60} at {found[0] or 'the top'}. Return "
-            "tensors from the collate_fn, or use `prepare_data_loader(loader, "
-            "dispatch_batches=False)`."
-        )
-    leaves = tensor_leaves(batch)
-    if not leaves or leaves[0].ndim == 0:
-        raise ConfigError(
-            "dispatch_batches=True slices batches on their first dimension, but the batch "
-            "has no tensor with one. Use `prepare_data_loader(loader, dispatch_batches=False)`."
-        )
-    return map_tensors(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), batch)
-
-
-def _allocate(device: torch.device, meta: torch.Tensor) -> torch.Tensor:
-    return torch.empty(meta.shape, dtype=meta.dtype, device=device)
-
-
-def _rows(lo: int, hi: int, clone: bool, tensor: torch.Tensor) -> torch.Tensor:
-    rows = tensor[lo:hi]
-    return rows.clone() if clone else rows
-
-
-def _pad_cycling(count: int, tensor: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    index = torch.arange(count, device=source.device) % source.shape[0]
-    return torch.cat([tensor, source[index]])
+        return concat_rounds(iter(base), group, drop_last=self._plan.drop_last)
 
 
 # --------------------------------------------------------------------------- public API
@@ -720,7 +505,7 @@ def prepare_data_loader(
     if iterable:
         assert batch_size is not None
         per_rank = batch_size // world if split_batches else batch_size
-        stream = _StreamShard(
+        stream = StreamShard(
             dataset, rank=rank, world_size=world, per_rank=per_rank, drop_last=plan.drop_last
         )
         return PreparedDataLoader(
@@ -737,7 +522,7 @@ def prepare_data_loader(
 
 def _sharded_sampler(
     loader: DataLoader[Any], plan: _Plan, *, even_batches: bool, shared: bool
-) -> _ShardedBatchSampler:
+) -> ShardedBatchSampler:
     source: Any = loader.batch_sampler
     if source is None:
         if not isinstance(loader.sampler, BatchSampler):
@@ -757,7 +542,7 @@ def _sharded_sampler(
         split_batches=plan.split_batches,
         even_batches=even_batches,
     )
-    return _ShardedBatchSampler(batch_sampler, spec, reseed)
+    return ShardedBatchSampler(batch_sampler, spec, reseed)
 
 
 def _base_loader(loader: DataLoader[Any], options: dict[str, Any]) -> DataLoader[Any]:
@@ -768,7 +553,7 @@ def _base_loader(loader: DataLoader[Any], options: dict[str, Any]) -> DataLoader
     )
     if isinstance(loader.dataset, IterableDataset):
         assert loader.batch_size is not None
-        stream = _StreamShard(
+        stream = StreamShard(
             loader.dataset, rank=0, world_size=1, per_rank=loader.batch_size,
             drop_last=bool(loader.drop_last),
         )
