@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import accel
 from accel.data import prepare_data_loader
+from accel.errors import ConfigError, RemoteError
 from accel.metrics import gather_for_metrics
 from accel.testing import run_distributed
 
@@ -84,6 +85,17 @@ def _epochs_body() -> dict[str, Any]:
             tensors == list(range(expected)),
             names == [f"s{i}" for i in range(expected)],
         )
+    # mixed outputs (tensors and objects) and use_gather_object, on padded last rounds
+    mixed: list[int] = []
+    names: list[str] = []
+    forced: list[int] = []
+    for batch in prepare_data_loader(DataLoader(range(13), batch_size=2)):
+        out = gather_for_metrics({"x": batch, "names": [f"s{i}" for i in batch.tolist()]})
+        mixed += out["x"].tolist()
+        names += out["names"]
+        forced += gather_for_metrics(batch, use_gather_object=True).tolist()
+    results["mixed"] = (mixed == list(range(13)), names == [f"s{i}" for i in range(13)])
+    results["use_gather_object"] = (forced == list(range(13)), True)
     return results
 
 
@@ -98,7 +110,14 @@ def _shuffle_and_dispatch_body() -> dict[str, Any]:
     dispatched.load_state_dict({"epoch": 0, "batches_yielded": 2})
     counted.loaded = 0
     resumed = [batch.tolist() for batch in dispatched]
+    strings = DataLoader(range(8), batch_size=2, collate_fn=lambda items: [str(i) for i in items])
+    try:
+        list(prepare_data_loader(strings, dispatch_batches=True))
+        error = "none"
+    except (ConfigError, RemoteError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
     return {
+        "error": error,
         "orders": orders,
         "mine": whole,
         "loaded": (loaded_whole, counted.loaded),
@@ -124,6 +143,9 @@ def test_shuffle_agrees_across_ranks_and_dispatch(world_size: int) -> None:
     assert first[0] != first[1]  # a new shuffle each epoch
     assert first[0] != list(range(30))
     for result in results:
+        expected = "ConfigError" if result["rank"] == 0 else "RemoteError"
+        assert result["error"].startswith(expected)  # raised on every rank, no hang
+        assert "broadcasts tensors" in result["error"]
         assert result["resumed_ok"]
         if result["rank"] == 0:
             assert result["loaded"][0] == 20
