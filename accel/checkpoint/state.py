@@ -31,6 +31,8 @@ import torch
 from torch import nn
 
 from accel._state import scope, state
+from accel.accumulation import _COUNTER as MODEL_COUNTER
+from accel.accumulation import _SCOPE_COUNTER as SCOPE_COUNTER
 from accel.checkpoint._atomic import remove_dir, replace_dir
 from accel.checkpoint._encode import decode, encode
 from accel.checkpoint._format import FileRecord, read_safetensors, write_bytes, write_safetensors
@@ -46,6 +48,7 @@ _STEP_DIR = re.compile(r"^checkpoint_(\d+)$")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RESERVED = frozenset({"manifest", "rng", "grad_scaler"})
 GRAD_SCALER = "grad_scaler"
+GRADS = "__gradients"  # file suffix of a model's accumulated gradients
 
 
 @attrs.frozen
@@ -81,13 +84,37 @@ def _check_objects(objects: dict[str, Any], op: str) -> None:
             )
 
 
-def _write_object(tmp: Path, name: str, state_dict: Any) -> list[FileRecord]:
+def _accumulation_step(holder: dict[str, Any], key: str) -> int | None:
+    value = holder.get(key)
+    return value if isinstance(value, int) else None
+
+
+def _gradients(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _restore_gradients(module: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    for name, param in module.named_parameters():
+        grad = grads.get(name)
+        if grad is None:
+            param.grad = None
+        elif param.grad is not None and param.grad.shape == grad.shape:
+            param.grad.copy_(grad)
+        else:
+            param.grad = grad.to(device=param.device, dtype=param.dtype).clone()
+
+
+def _write_object(
+    tmp: Path, name: str, state_dict: Any, extra: dict[str, Any] | None = None
+) -> list[FileRecord]:
     tensors: dict[str, torch.Tensor] = {}
     structure = encode(state_dict, tensors)
     records = []
     if tensors:
         records.append(write_safetensors(tmp / f"{name}.safetensors", tensors, root=tmp))
-    body = json.dumps({"has_tensors": bool(tensors), "state": structure}).encode()
+    body = json.dumps(
+        {"has_tensors": bool(tensors), "state": structure, "extra": extra or {}}
+    ).encode()
     records.append(write_bytes(tmp / f"{name}.json", body, root=tmp))
     return records
 
@@ -96,8 +123,20 @@ def _write_rank_files(tmp: Path, objects: dict[str, Any], rank: int) -> list[Fil
     records: list[FileRecord] = []
     if rank == 0:
         for name, obj in objects.items():
-            records += _write_object(tmp, name, _unwrap(obj).state_dict())
-    records += _write_object(tmp, f"rng_rank{rank}", get_rng_state())
+            extra: dict[str, Any] = {}
+            if isinstance(obj, nn.Module):  # accumulate() counts batches on the model
+                step = _accumulation_step(obj.__dict__, MODEL_COUNTER)
+                extra["accumulation_step"] = step
+                if step:  # mid-cycle: the gradients accumulated so far are state too
+                    grads = _gradients(_unwrap(obj))
+                    if grads:
+                        records += _write_object(tmp, f"{name}{GRADS}", grads)
+                        extra["gradients"] = True
+            records += _write_object(tmp, name, _unwrap(obj).state_dict(), extra)
+    scope_step = _accumulation_step(scope().extras, SCOPE_COUNTER)
+    records += _write_object(
+        tmp, f"rng_rank{rank}", get_rng_state(), {"accumulation_step": scope_step}
+    )
     return records
 
 
@@ -244,7 +283,9 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     return None
 
 
-def _read_object(path: Path, name: str, files: dict[str, dict[str, Any]]) -> Any:
+def _read_object(
+    path: Path, name: str, files: dict[str, dict[str, Any]]
+) -> tuple[Any, dict[str, Any]]:
     meta = files.get(f"{name}.json")
     if meta is None:
         raise CheckpointError(f"The checkpoint at {os.fspath(path)!r} lists no {name}.json.")
@@ -262,7 +303,7 @@ def _read_object(path: Path, name: str, files: dict[str, dict[str, Any]]) -> Any
             raise CheckpointError(f"Checkpoint file {os.fspath(tensor_path)!r} is missing.")
         _check_size(tensor_path, tensor_meta)
         tensors, _ = read_safetensors(tensor_path, expected_crc32=tensor_meta["crc32"])
-    return decode(body["state"], tensors)
+    return decode(body["state"], tensors), body.get("extra", {})
 
 
 def _check_size(file: Path, meta: dict[str, Any]) -> None:
@@ -356,6 +397,7 @@ def _load_from(path: Path, objects: dict[str, Any], rank: int, world_size: int) 
     files = {f["name"]: f for f in manifest["files"]}
     scaler = scope().grad_scaler
     wanted = list(objects)
+    wanted += [f"{name}{GRADS}" for name in objects if f"{name}{GRADS}.json" in files]
     if scaler is not None and GRAD_SCALER in saved:
         wanted.append(GRAD_SCALER)
     same_world = manifest["world_size"] == world_size
@@ -366,11 +408,20 @@ def _load_from(path: Path, objects: dict[str, Any], rank: int, world_size: int) 
         loaded = dict(zip(wanted, pool.map(lambda n: _read_object(path, n, files), wanted),
                           strict=True))
     for name, obj in objects.items():
-        _load_into(obj, loaded[name])
+        state_dict, extra = loaded[name]
+        _load_into(obj, state_dict)
+        if isinstance(obj, nn.Module) and extra.get("accumulation_step") is not None:
+            obj.__dict__[MODEL_COUNTER] = extra["accumulation_step"]
+        if isinstance(obj, nn.Module):
+            grads = loaded[f"{name}{GRADS}"][0] if f"{name}{GRADS}" in loaded else {}
+            _restore_gradients(_unwrap(obj), grads)
     if GRAD_SCALER in loaded and scaler is not None:
-        scaler.load_state_dict(loaded[GRAD_SCALER])
+        scaler.load_state_dict(loaded[GRAD_SCALER][0])
     if same_world:
-        set_rng_state(loaded[f"rng_rank{rank}"])
+        rng, extra = loaded[f"rng_rank{rank}"]
+        set_rng_state(rng)
+        if extra.get("accumulation_step") is not None:
+            scope().extras[SCOPE_COUNTER] = extra["accumulation_step"]
     else:
         warnings.warn(
             f"The checkpoint was saved by {manifest['world_size']} processes and is loaded by "
