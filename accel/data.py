@@ -6,10 +6,11 @@ batches (Accelerate's sharding rules, see :mod:`accel._sharding`) on the state's
 
 Shuffling: a random sampler gets its own generator, seeded with a seed shared by all ranks
 plus the epoch, so every rank draws the same permutation and each epoch a new one. The shared
-seed is the sampler's own generator's seed when the user gave one, else ``state().seed``, else
-a seed drawn on rank 0 and broadcast while preparing (every rank must then prepare the loader,
-as with every ``prepare_*``). Samplers, batch samplers and datasets with ``set_epoch`` are told
-the epoch. A new iteration starts a new epoch; ``set_epoch(e)`` chooses it.
+seed is rank 0's sampler generator's seed when the user gave one, else ``state().seed``, else
+a seed drawn on rank 0; it is broadcast while preparing unless it is ``state().seed`` (every
+rank must prepare the loader, as with every ``prepare_*``). Samplers, batch samplers and
+datasets with ``set_epoch`` are told the epoch. A new iteration starts a new epoch;
+``set_epoch(e)`` chooses it.
 
 While iterating, the loader is registered in ``accel._state.scope().active_loaders`` (innermost
 last) and keeps ``end_of_dataloader`` (the batch just yielded is the last),
@@ -55,12 +56,19 @@ class DataLoaderTypeError(AccelError, TypeError):
 # --------------------------------------------------------------------------- epoch seeding
 
 
-def _fresh_seed(*, shared: bool) -> int:
-    """``state().seed``, else a random seed (broadcast from rank 0 when it must be shared)."""
+def _epoch_seed(own: object, *, shared: bool) -> int:
+    """The base shuffle seed: the user's generator's, else ``state().seed``, else random.
+
+    Unless it came from ``state().seed`` (the same everywhere), rank 0's seed is broadcast
+    when every rank must shuffle alike.
+    """
     st = state()
-    if st.seed is not None:
+    if isinstance(own, torch.Generator):
+        seed = own.initial_seed()
+    elif st.seed is not None:
         return int(st.seed)
-    seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    else:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
     if shared and st.world_size > 1:
         from accel.collectives import broadcast_object
 
@@ -77,10 +85,7 @@ def _seeded_copy(batch_sampler: Any, dataset: Any, *, shared: bool) -> tuple[Any
     if inner is not None and hasattr(inner, "generator"):
         inner = copy.copy(inner)
         batch_sampler.sampler = inner
-        own = inner.generator
-        seed = own.initial_seed() if isinstance(own, torch.Generator) else _fresh_seed(
-            shared=shared
-        )
+        seed = _epoch_seed(inner.generator, shared=shared)
         generator = torch.Generator()
         inner.generator = generator
     targets = tuple(
