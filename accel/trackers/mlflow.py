@@ -1,7 +1,10 @@
 """The ``mlflow`` tracker (extra ``accel[mlflow]``): an MLflow run in a local or remote store.
 
-By default the store is local: ``sqlite:///<project_dir>/mlflow.db`` with artifacts under
-``project_dir/mlartifacts``; the experiment is named after ``project_dir``. Options in
+The store is, in order: ``init_kwargs={"mlflow": {"tracking_uri": ...}}``, the URI MLflow is
+configured with (``MLFLOW_TRACKING_URI`` or ``mlflow.set_tracking_uri``), else a local
+``sqlite:///<project_dir>/mlflow.db``. New experiments keep artifacts under
+``project_dir/mlartifacts``. The experiment is ``experiment_name``, else
+``MLFLOW_EXPERIMENT_NAME``, else the name of ``project_dir``. Options in
 ``init_kwargs={"mlflow": {...}}``: ``tracking_uri``, ``experiment_name``, ``tags``,
 ``artifact_location``. The adapter uses an ``MlflowClient`` (no process-wide MLflow state is
 changed). Numbers are logged as metrics, strings as tags, the config as params. A run whose
@@ -80,14 +83,36 @@ class MlflowTracker:
         return self
 
 
+def _configured(variable: str) -> str | None:
+    """An MLflow setting from MLflow's own environment variables (read by MLflow)."""
+    settings = importlib.import_module("mlflow.environment_variables")
+    value = getattr(settings, variable, None)
+    return None if value is None else value.get()
+
+
+def _configured_uri(mlflow: Any) -> str | None:
+    """The tracking URI the user configured for MLflow, or ``None`` for MLflow's default."""
+    utils = importlib.import_module("mlflow.tracking._tracking_service.utils")
+    is_set = getattr(utils, "is_tracking_uri_set", None)
+    if callable(is_set):
+        return str(mlflow.get_tracking_uri()) if is_set() else None
+    return _configured("MLFLOW_TRACKING_URI")
+
+
 def start(run: RunInfo) -> MlflowTracker:
     """Create (or reuse) the experiment and start a run in it."""
     mlflow = importlib.import_module("mlflow")
     entities = importlib.import_module("mlflow.entities")
     options = dict(run.options)
     project = run.project_dir.resolve()
-    uri = options.pop("tracking_uri", None) or f"sqlite:///{project / 'mlflow.db'}"
-    experiment_name = options.pop("experiment_name", None) or project.name or "accel"
+    uri = options.pop("tracking_uri", None) or _configured_uri(mlflow)
+    uri = uri or f"sqlite:///{project / 'mlflow.db'}"
+    experiment_name = (
+        options.pop("experiment_name", None)
+        or _configured("MLFLOW_EXPERIMENT_NAME")
+        or project.name
+        or "accel"
+    )
     artifacts = options.pop("artifact_location", None) or (project / "mlartifacts").as_uri()
     tags = dict(options.pop("tags", None) or {})
     if options:

@@ -370,3 +370,25 @@ def test_mlflow_local_run_holds_the_metrics(tmp_path: Path) -> None:
     assert run.data.tags["phase"] == "eval"
     assert run.info.run_name == "m"
     assert run.info.status == "FAILED"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inside mlflow/sqlalchemy
+@pytest.mark.slow  # creating an mlflow sqlite store takes seconds
+def test_mlflow_honours_its_own_configuration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("mlflow", reason="extra accel[mlflow] not installed")
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    with accel.tracking(tmp_path / "proj", log_with="mlflow", run_name="e"):
+        accel.log({"loss": 1.0}, step=0)
+        run_id = accel.get_tracker("mlflow").run_id
+    assert not (tmp_path / "proj" / "mlflow.db").exists()
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "from-env"
+    assert run.info.status == "FINISHED"
+    assert [m.value for m in client.get_metric_history(run_id, "loss")] == [1.0]
