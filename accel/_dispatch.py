@@ -44,7 +44,7 @@ def concat_rounds(batches: Iterator[Any], group: int, *, drop_last: bool) -> Ite
         else:
             try:
                 yield zip_map_tensors(lambda *ts: torch.cat(ts), *parts)
-            except (RuntimeError, ValueError) as exc:
+            except (RuntimeError, ValueError, KeyError, TypeError) as exc:
                 raise ConfigError(
                     "dispatch_batches=True concatenates the batches of one round, but they "
                     f"differ in structure or shape ({exc}). Use "

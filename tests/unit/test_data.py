@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
 
+from accel._dispatch import concat_rounds
 from accel._state import ProcessState, Scope, scope, set_state
 from accel.data import (
     DataLoaderTypeError,
@@ -431,3 +432,24 @@ def test_state_dict_round_trip_property(
             epoch, start = position["epoch"], position["batches_yielded"]
             assert lists(fresh) == epochs[epoch][start:]
             assert lists(fresh) == epochs[epoch + 1]
+
+
+def test_concat_rounds_for_dispatch() -> None:
+    batches = [torch.arange(i, i + 2) for i in range(0, 10, 2)]
+    rounds = [t.tolist() for t in concat_rounds(iter(batches), 2, drop_last=False)]
+    assert rounds == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    dropped = [t.tolist() for t in concat_rounds(iter(batches), 2, drop_last=True)]
+    assert dropped == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    mixed = [{"x": torch.zeros(2)}, {"y": torch.zeros(2)}]
+    with pytest.raises(ConfigError, match="dispatch_batches"):
+        list(concat_rounds(iter(mixed), 2, drop_last=False))
+
+
+def test_uneven_batches_end_per_rank() -> None:
+    ends = []
+    for rank in range(2):
+        with fake(rank, 2):
+            loader = prepare_data_loader(DataLoader(range(20), batch_size=3), even_batches=False)
+            flags = [loader.end_of_dataloader for _ in loader]
+            ends.append((len(loader), flags.index(True) + 1))
+    assert ends == [(4, 4), (3, 3)]  # rank 0 has one more batch than rank 1
