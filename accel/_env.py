@@ -15,7 +15,7 @@ import attrs
 
 from accel.errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "LaunchEnv", "Launcher", "read_launch_env"]
+__all__ = ["ENV_PREFIX", "LaunchEnv", "Launcher", "environ_snapshot", "read_launch_env"]
 
 Launcher = Literal["torchrun", "slurm", "mpi", "none"]
 
@@ -253,6 +253,11 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     )
     _check_placement(launch)
     return launch
+
+
+def environ_snapshot() -> dict[str, str]:
+    """A copy of the whole environment (for launchers that start processes elsewhere)."""
+    return dict(os.environ)
 
 
 def _check_placement(launch: LaunchEnv) -> None:

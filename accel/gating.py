@@ -268,7 +268,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
 
 
 def get_logger(
-    name: str, *, log_level: int | str | None = None, main_process_only: bool = True
+    name: str, log_level: int | str | None = None, *, main_process_only: bool = True
 ) -> MultiProcessAdapter:
     """A ``logging`` adapter that logs on the main process only by default.
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from accel._env import environ_snapshot
 from accel._state import ProcessState, Scope, set_state
 from accel.errors import CollectiveTimeoutError, RemoteError
 
@@ -51,8 +52,13 @@ def _worker(
     function: Callable[..., Any],
     args: tuple[Any, ...],
     options: dict[str, Any],
+    environ: dict[str, str],
     results: Any,
 ) -> None:
+    # Workers fork from a long-lived server: give them the caller's environment as it is now,
+    # as a freshly spawned process would have it.
+    os.environ.clear()
+    os.environ.update(environ)
     import torch
     import torch.distributed as dist
 
@@ -154,7 +160,7 @@ def run_distributed(
             ctx.Process(
                 target=_worker,
                 args=(rank, world_size, store_path, timeout, function, args,
-                      distributed_options, results),
+                      distributed_options, environ_snapshot(), results),
                 name=f"accel-rank-{rank}",
             )
             for rank in range(world_size)

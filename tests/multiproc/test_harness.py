@@ -88,3 +88,13 @@ def test_a_rank_that_dies_silently_is_named() -> None:
 def test_bad_world_size() -> None:
     with pytest.raises(ValueError, match="world_size=0"):
         run_distributed(_rank_times, 1, world_size=0)
+
+
+def _read_debug_flag() -> bool:
+    return accel.state().debug
+
+
+def test_workers_see_the_callers_current_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert run_distributed(_read_debug_flag, world_size=2) == [False, False]
+    monkeypatch.setenv("ACCEL_DEBUG", "1")  # set after the fork server started
+    assert run_distributed(_read_debug_flag, world_size=2) == [True, True]
