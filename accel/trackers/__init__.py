@@ -106,14 +106,17 @@ def _resolve(log_with: str | Sequence[str | Tracker] | None) -> list[str | Track
     """Validate ``log_with`` (on every rank): builtin names (lowercased) and tracker objects."""
     if log_with is None:
         return []
-    if isinstance(log_with, str):
-        if log_with.lower() == "all":
-            return [n for n, b in _BUILTINS.items() if _installed(b.package)]
-        items: Sequence[Any] = [log_with]
-    elif _is_tracker(log_with):
-        items = [log_with]
+    if isinstance(log_with, str) or _is_tracker(log_with):
+        given: list[Any] = [log_with]
     else:
-        items = list(log_with)
+        given = list(log_with)
+    named = {item.lower() for item in given if isinstance(item, str)}
+    items: list[Any] = []
+    for item in given:  # "all": jsonl and every installed optional tracker
+        if isinstance(item, str) and item.lower() == "all":
+            items += [n for n, b in _BUILTINS.items() if _installed(b.package) and n not in named]
+        else:
+            items.append(item)
     out: list[str | Tracker] = []
     seen: set[str] = set()
     for item in items:

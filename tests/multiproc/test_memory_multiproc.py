@@ -52,6 +52,7 @@ def _search_body() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow  # a spawn plus a garbage collection per attempt on every rank
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_rank_tries_the_same_sizes(world_size: int) -> None:
     results = run_distributed(_search_body, world_size=world_size)
@@ -83,6 +84,7 @@ def _join_body() -> dict[str, Any]:
     return {"seen": seen, "in_sync": bool((weights == weights[0]).all())}
 
 
+@pytest.mark.slow  # a spawn plus DDP set-up on every rank
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_join_uneven_inputs_with_ddp(world_size: int) -> None:
     results = run_distributed(_join_body, world_size=world_size, timeout=60)

@@ -253,6 +253,9 @@ def test_log_with_all_picks_installed() -> None:
     ]
     assert tracking_module._resolve("all") == expected
     assert tracking_module._resolve("ALL") == expected
+    custom = RecordingTracker()
+    assert tracking_module._resolve([custom, "all"]) == [custom, *expected]
+    assert tracking_module._resolve(["jsonl", "all"]) == expected
 
 
 def test_default_run_names_are_unique_and_nesting_restores(tmp_path: Path) -> None:
