@@ -1,0 +1,465 @@
+"""``accel launch``: run a script on N processes through torch's elastic launcher (torchrun).
+
+The work is split in two: :func:`plan_launch` is a pure function from the options, the
+environment and the config file to torchrun's argument list and the variables the workers get;
+:func:`run_plan` hands that to ``torch.distributed.run`` and turns a failure into a readable
+report (failing rank, exit code or signal, its traceback) and a non-zero exit code.
+
+Writing the environment is this module's job: the workers inherit the launcher's environment,
+so the ``ACCEL_*`` options and ``OMP_NUM_THREADS`` are set in this (launcher) process only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from accel._env import ENV_PREFIX, LaunchEnv, read_launch_env
+from accel.errors import ConfigError
+from accel.launch.config import Resolved, config_path, load_config, resolve_settings
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+__all__ = [
+    "LaunchPlan",
+    "add_launch_options",
+    "command_line_settings",
+    "describe_failure",
+    "launch",
+    "plan_launch",
+    "run_plan",
+]
+
+WORKER_MODULE = "accel.launch.worker"
+DEFAULT_MULTI_NODE_PORT = 29500
+CPU_DEFAULT_PROCESSES = 2
+
+# settings that reach accel.distributed() in the workers, and their variables
+_EXPORTED = ("mixed_precision", "gradient_accumulation_steps", "strategy", "backend", "cpu",
+             "debug", "timeout")
+
+
+def add_launch_options(parser: argparse.ArgumentParser) -> None:
+    """Add the launch options (torchrun's and Accelerate's spellings) to ``parser``.
+
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> add_launch_options(parser)
+        >>> parser.parse_args(["--num_processes", "4"]).num_processes
+        4
+    """
+    where = parser.add_argument_group("processes and machines")
+    where.add_argument("--nproc-per-node", "--nproc_per_node", type=int, metavar="N",
+                       help="processes on this machine (default: one per GPU, else 2)")
+    where.add_argument("--num-processes", "--num_processes", type=int, metavar="N",
+                       help="processes in total, across all machines (Accelerate's spelling)")
+    where.add_argument("--nnodes", "--num-machines", "--num_machines", metavar="M",
+                       help="machines in the job, or MIN:MAX for an elastic job (default 1)")
+    where.add_argument("--node-rank", "--node_rank", "--machine-rank", "--machine_rank",
+                       type=int, metavar="R", help="rank of this machine (default 0)")
+    where.add_argument("--master-addr", "--master_addr", "--main-process-ip",
+                       "--main_process_ip", metavar="A", help="address of machine 0")
+    where.add_argument("--master-port", "--master_port", "--main-process-port",
+                       "--main_process_port", type=int, metavar="P",
+                       help="port on machine 0 (default: a free port on one machine, else "
+                            f"{DEFAULT_MULTI_NODE_PORT})")
+    where.add_argument("--rdzv-backend", "--rdzv_backend", metavar="B",
+                       help="torchrun rendezvous backend (e.g. c10d) for elastic jobs")
+    where.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT",
+                       help="torchrun rendezvous endpoint")
+    where.add_argument("--rdzv-id", "--rdzv_id", metavar="ID", help="torchrun job id")
+    where.add_argument("--rdzv-conf", "--rdzv_conf", metavar="K=V,...",
+                       help="torchrun rendezvous options")
+    where.add_argument("--standalone", action="store_true", default=None,
+                       help="one machine, free port (the default on one machine)")
+    where.add_argument("--max-restarts", "--max_restarts", type=int, metavar="K",
+                       help="restart the whole job up to K times when a process fails")
+    where.add_argument("--monitor-interval", "--monitor_interval", type=float, metavar="S",
+                       help="seconds between checks of the workers (torchrun's default)")
+    where.add_argument("--log-dir", "--log_dir", metavar="DIR", help="torchrun log directory")
+    where.add_argument("-r", "--redirects", metavar="SPEC", help="torchrun --redirects")
+    where.add_argument("-t", "--tee", metavar="SPEC", help="torchrun --tee")
+    where.add_argument("--local-ranks-filter", "--local_ranks_filter", metavar="RANKS",
+                       help="show the output of these local ranks only")
+    where.add_argument("--multi-gpu", "--multi_gpu", action="store_true",
+                       help="accepted for Accelerate compatibility (implied)")
+    policy = parser.add_argument_group("training options (reach accel.distributed())")
+    policy.add_argument("--mixed-precision", "--mixed_precision", metavar="MODE",
+                        help="no, fp16, bf16 or fp8")
+    policy.add_argument("--gradient-accumulation-steps", "--gradient_accumulation_steps",
+                        type=int, metavar="K", help="batches per optimizer step")
+    policy.add_argument("--strategy", metavar="S", help="none, ddp or fsdp")
+    policy.add_argument("--use-fsdp", "--use_fsdp", action="store_true",
+                        help="same as --strategy fsdp (Accelerate's spelling)")
+    policy.add_argument("--backend", metavar="B", help="gloo, nccl, ... (default: by device)")
+    policy.add_argument("--cpu", action="store_true", default=None,
+                        help="run on the CPU even where GPUs are available")
+    policy.add_argument("--debug", action="store_true", default=None,
+                        help="check every collective across ranks first")
+    policy.add_argument("--timeout", type=float, metavar="S",
+                        help="seconds before a collective gives up")
+    policy.add_argument("--config-file", "--config_file", metavar="F",
+                        help="config file (default: $ACCEL_CONFIG_FILE, else "
+                             "~/.config/accel/config.toml)")
+
+
+def command_line_settings(ns: argparse.Namespace) -> dict[str, object]:
+    """The settings given on the command line, under their config-file names.
+
+    Example:
+        >>> ns = argparse.Namespace(mixed_precision="bf16", use_fsdp=True)
+        >>> command_line_settings(ns)["strategy"]
+        'fsdp'
+    """
+    get = vars(ns).get
+    machines = get("nnodes")
+    strategy = get("strategy") or ("fsdp" if get("use_fsdp") else None)
+    out: dict[str, object] = {
+        "num_machines": None if machines is None or ":" in str(machines) else machines,
+        "num_processes": get("num_processes"),
+        "machine_rank": get("node_rank"),
+        "main_process_ip": get("master_addr"),
+        "main_process_port": get("master_port"),
+        "max_restarts": get("max_restarts"),
+        "mixed_precision": get("mixed_precision"),
+        "gradient_accumulation_steps": get("gradient_accumulation_steps"),
+        "strategy": strategy,
+        "backend": get("backend"),
+        "cpu": get("cpu"),
+        "debug": get("debug"),
+        "timeout": get("timeout"),
+    }
+    return {key: value for key, value in out.items() if value is not None}
+
+
+@attrs.frozen(kw_only=True)
+class LaunchPlan:
+    """What ``accel launch`` will run: torchrun's arguments and the workers' variables."""
+
+    torchrun_args: tuple[str, ...]
+    worker_env: Mapping[str, str]
+    settings: Mapping[str, Resolved]
+    nproc_per_node: int
+    nnodes: str
+
+
+def _machines(raw: str) -> tuple[str, int]:
+    """``"2"`` -> (``"2"``, 2); ``"1:4"`` -> (``"1:4"``, 4) (the most a job can have)."""
+    parts = raw.split(":")
+    try:
+        numbers = [int(part) for part in parts]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (1, 2) or min(numbers) < 1 or numbers[0] > numbers[-1]:
+        raise ConfigError(
+            f"--nnodes={raw!r} is invalid; give a number of machines >= 1 or MIN:MAX, "
+            "e.g. `--nnodes 2` or `--nnodes 1:4`."
+        )
+    return raw, numbers[-1]
+
+
+def _env_text(value: object) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def plan_launch(
+    ns: argparse.Namespace,
+    *,
+    env: LaunchEnv,
+    file_settings: Mapping[str, object],
+    config_file: Path | None,
+    gpu_count: Callable[[], int],
+    cpu_count: int,
+    omp_num_threads_set: bool,
+) -> LaunchPlan:
+    """Turn the options, the environment and the config file into a :class:`LaunchPlan`.
+
+    Pure: reads nothing itself. ``ns`` holds the options of :func:`add_launch_options` plus
+    ``script``, ``script_args``, ``module`` and ``no_python``.
+
+    Raises:
+        ConfigError: contradictory or invalid options.
+
+    Example:
+        >>> plan = plan_launch(ns, env=LaunchEnv(), file_settings={}, config_file=None,
+        ...                    gpu_count=lambda: 0, cpu_count=8, omp_num_threads_set=False)
+        >>> plan.nproc_per_node, plan.worker_env["OMP_NUM_THREADS"]
+        (2, '4')
+    """
+    settings = resolve_settings(command_line_settings(ns), env, file_settings)
+    value = {key: resolved.value for key, resolved in settings.items()}
+    nnodes, machines = _machines(str(ns.nnodes or value["num_machines"]))
+    cpu = bool(value["cpu"])
+    if ns.nproc_per_node is not None:
+        if ns.nproc_per_node < 1:
+            raise ConfigError(
+                f"--nproc-per-node={ns.nproc_per_node!r} must be >= 1, e.g. `--nproc-per-node 2`."
+            )
+        nproc = ns.nproc_per_node
+    elif value["num_processes"] is not None:
+        total = int(str(value["num_processes"]))
+        if total % machines:
+            source = settings["num_processes"].source
+            raise ConfigError(
+                f"num_processes={total!r} (in total, from the {source}) is not a multiple of "
+                f"the {machines} machines. Give `--nproc-per-node N` (per machine) instead."
+            )
+        nproc = total // machines
+    else:
+        gpus = 0 if cpu else gpu_count()
+        nproc = gpus if gpus > 0 else CPU_DEFAULT_PROCESSES
+        cpu = cpu or gpus == 0
+    args: list[str] = ["--nnodes", nnodes, "--nproc-per-node", str(nproc),
+                       "--max-restarts", str(value["max_restarts"])]
+    if ns.monitor_interval is not None:
+        args += ["--monitor-interval", str(ns.monitor_interval)]
+    port = value["main_process_port"]
+    dynamic = True  # c10d rendezvous (its store is shared with the workers by default)
+    if ns.rdzv_endpoint:
+        args += ["--rdzv-backend", ns.rdzv_backend or "c10d", "--rdzv-endpoint", ns.rdzv_endpoint]
+        if ns.rdzv_id:
+            args += ["--rdzv-id", ns.rdzv_id]
+    elif ns.standalone or (nnodes == "1" and port is None and not ns.rdzv_backend):
+        if machines > 1:
+            raise ConfigError(
+                f"--standalone runs on one machine, but {machines} machines were asked for. "
+                "Drop `--standalone` or use `--nnodes 1`."
+            )
+        args += ["--standalone"]  # c10d rendezvous on localhost:0: the OS picks a free port
+    else:
+        addr = value["main_process_ip"]
+        if addr is None:
+            if machines > 1:
+                raise ConfigError(
+                    f"A job on {nnodes} machines needs the address of machine 0; give "
+                    "`--master-addr <ip of machine 0>` (or `main_process_ip` in the config)."
+                )
+            addr = "127.0.0.1"
+        if ns.rdzv_backend and ns.rdzv_backend != "static":
+            raise ConfigError(
+                f"--rdzv-backend={ns.rdzv_backend!r} needs `--rdzv-endpoint HOST:PORT`; or "
+                "drop it to use --master-addr/--master-port."
+            )
+        dynamic = ns.rdzv_backend not in (None, "static")
+        args += ["--node-rank", str(value["machine_rank"]), "--master-addr", str(addr),
+                 "--master-port", str(port if port is not None else DEFAULT_MULTI_NODE_PORT)]
+    for flag, given in (("--rdzv-conf", ns.rdzv_conf), ("--log-dir", ns.log_dir),
+                        ("--redirects", ns.redirects), ("--tee", ns.tee),
+                        ("--local-ranks-filter", ns.local_ranks_filter)):
+        if given is not None:
+            args += [flag, str(given)]
+    if ns.no_python:
+        if ns.module:
+            raise ConfigError("Use either `--no-python` or `-m/--module`, not both.")
+        args += ["--no-python", ns.script, *ns.script_args]
+    else:
+        target = ["-m", ns.script] if ns.module else [ns.script]
+        args += ["--module", WORKER_MODULE, *target, *ns.script_args]
+    worker_env: dict[str, str] = {}
+    for key in _EXPORTED:
+        if settings[key].source != "default":
+            worker_env[ENV_PREFIX + key.upper()] = _env_text(settings[key].value)
+    if cpu:
+        worker_env[ENV_PREFIX + "CPU"] = "1"
+    if config_file is not None:
+        worker_env[ENV_PREFIX + "CONFIG_FILE"] = str(config_file.resolve())
+    if dynamic and int(str(value["max_restarts"])) > 0:
+        # torch reuses the rendezvous store across restarts without a per-attempt prefix, so
+        # restarted workers read the dead workers' addresses and cannot connect; a fresh store
+        # per attempt avoids it.
+        worker_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if not omp_num_threads_set:
+        worker_env["OMP_NUM_THREADS"] = str(max(1, cpu_count // nproc))
+    return LaunchPlan(torchrun_args=tuple(args), worker_env=worker_env, settings=settings,
+                      nproc_per_node=nproc, nnodes=nnodes)
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def make_plan(ns: argparse.Namespace) -> LaunchPlan:
+    """Read the environment and the config file, then :func:`plan_launch`.
+
+    Example:
+        >>> make_plan(parser.parse_args(["train.py"])).nproc_per_node
+        2
+    """
+    env = read_launch_env()
+    path, how = config_path(ns.config_file, env=env)
+    file_settings = load_config(path if how != "user config dir" else None)
+    exists = path.is_file()
+    return plan_launch(
+        ns,
+        env=env,
+        file_settings=file_settings,
+        config_file=path if exists else None,
+        gpu_count=_gpu_count,
+        cpu_count=_cpu_count(),
+        # the launcher reads its own environment here: whether the user chose a thread count
+        omp_num_threads_set="OMP_NUM_THREADS" in os.environ,
+    )
+
+
+def _signal_text(code: int) -> str:
+    try:
+        return f"killed by signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def _traceback_of(message: object) -> str | None:
+    if isinstance(message, dict):
+        extra = message.get("extraInfo")
+        if isinstance(extra, dict) and isinstance(extra.get("py_callstack"), str):
+            return str(extra["py_callstack"])
+        text = message.get("message")
+        return str(text) if text else None
+    return None
+
+
+def _precise_time(message: object) -> float | None:
+    if isinstance(message, dict) and isinstance(message.get("extraInfo"), dict):
+        try:
+            return float(message["extraInfo"]["accel_time"])
+        except (KeyError, TypeError, ValueError):
+            return None
+    return None
+
+
+# the end of a traceback raised because another rank died first (not a root cause)
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "remote worker", "DistBackendError", "NCCL communicator was aborted")
+
+
+def is_peer_loss(traceback_text: str) -> bool:
+    """Whether a traceback ends in a communication error caused by another rank's death.
+
+    Example:
+        >>> is_peer_loss("RuntimeError: ... Connection reset by peer ...")
+        True
+    """
+    tail = traceback_text.rstrip().rsplit("\n", 1)[-1]
+    return any(marker in tail for marker in _PEER_LOST)
+
+
+def _first_failure(error: ChildFailedError) -> tuple[int, Any]:
+    """The root-cause rank: a real error before a lost peer, then the earliest failure."""
+    def order(item: tuple[int, Any]) -> tuple[bool, float]:
+        failure = item[1]
+        trace = _traceback_of(failure.message) or ""
+        precise = _precise_time(failure.message)
+        return is_peer_loss(trace), float(failure.timestamp) if precise is None else precise
+
+    return min(error.failures.items(), key=order)
+
+
+def describe_failure(error: ChildFailedError, what: str) -> tuple[str, int]:
+    """A readable report of failed workers, and the exit code the launcher should return.
+
+    The exit code is the first failing rank's (1 when it raised), or 128 + the signal number
+    when it was killed.
+
+    Example:
+        >>> text, code = describe_failure(error, "train.py")
+        >>> print(text)  # doctest: +SKIP
+        accel launch: train.py failed on rank 1 (local rank 1, pid 7): raised ValueError: x
+        ...
+    """
+    first_rank, first = _first_failure(error)
+    lines = []
+    for rank, failure in sorted(error.failures.items()):
+        how = (f"exit code {failure.exitcode}" if failure.exitcode >= 0
+               else _signal_text(failure.exitcode))
+        raised = _traceback_of(failure.message)
+        if raised:
+            last = raised.rstrip().rsplit("\n", 1)[-1]
+            how = f"raised {last}" + (f" ({how})" if failure.exitcode != 1 else "")
+        mark = " (first failure)" if rank == first_rank and len(error.failures) > 1 else ""
+        lines.append(f"accel launch: {what} failed on rank {rank} (local rank "
+                     f"{failure.local_rank}, pid {failure.pid}): {how}{mark}")
+    trace = _traceback_of(first.message)
+    if trace:
+        lines += [f"----- traceback of rank {first_rank} -----", trace.rstrip("\n"),
+                  "-" * 40]
+    elif first.exitcode < 0:
+        lines.append(f"Rank {first_rank} raised no Python exception: it was "
+                     f"{_signal_text(first.exitcode)} (SIGKILL often means out of memory).")
+    else:
+        lines.append(f"Rank {first_rank} exited without a Python exception (sys.exit or "
+                     "os._exit); its own output is above.")
+    if first.exitcode > 0:
+        code = first.exitcode
+    elif first.exitcode < 0 and not trace:
+        code = 128 - first.exitcode
+    else:  # raised, then stopped by the launcher while exiting
+        code = 1
+    return "\n".join(lines) + "\n", code
+
+
+def run_plan(plan: LaunchPlan, what: str) -> int:
+    """Run the plan with ``torch.distributed.run``; return the launcher's exit code.
+
+    Sets the plan's worker variables in this process's environment (the workers inherit it).
+
+    Example:
+        >>> sys.exit(run_plan(make_plan(ns), "train.py"))
+    """
+    os.environ.update(plan.worker_env)
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        parsed = torchrun.parse_args(list(plan.torchrun_args))  # type: ignore[no-untyped-call]
+        torchrun.run(parsed)  # type: ignore[no-untyped-call]
+    except ChildFailedError as error:
+        text, code = describe_failure(error, what)
+        sys.stdout.flush()
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        return code
+    except SignalException as error:
+        sys.stderr.write(f"accel launch: stopped by {error.sigval.name}; workers terminated.\n")
+        return 128 + int(error.sigval)
+    return 0
+
+
+def launch(ns: argparse.Namespace) -> int:
+    """``accel launch``: plan and run (or with ``--dry-run`` print the plan as JSON).
+
+    Example:
+        >>> launch(parser.parse_args(["--nproc-per-node", "2", "train.py"]))
+        0
+    """
+    plan = make_plan(ns)
+    if getattr(ns, "dry_run", False):
+        shown: dict[str, Any] = {
+            "torchrun_args": list(plan.torchrun_args),
+            "worker_env": dict(plan.worker_env),
+            "nproc_per_node": plan.nproc_per_node,
+            "nnodes": plan.nnodes,
+        }
+        print(json.dumps(shown, indent=2))
+        return 0
+    return run_plan(plan, Path(ns.script).name if not ns.module else ns.script)

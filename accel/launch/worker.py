@@ -1,0 +1,94 @@
+"""The entry point ``accel launch`` runs in every worker: the user's script, failures recorded.
+
+``python -m accel.launch.worker script.py [args]`` (or ``-m module [args]``) runs the script
+as ``__main__`` exactly like ``python script.py`` would. When it raises, the traceback (trimmed
+to the user's frames) is printed as usual *and* written to torch elastic's per-worker error file
+(``$TORCHELASTIC_ERROR_FILE``), so the launcher can report it instead of ``error_file: <N/A>``.
+
+Only the standard library is imported here, so the worker starts as fast as ``python script.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from types import TracebackType
+
+__all__ = ["main"]
+
+
+def _user_frames(tb: TracebackType | None, filename: str | None) -> TracebackType | None:
+    """Skip the frames of this module and runpy, up to the first frame of the user's code."""
+    here = os.path.abspath(__file__)
+    start = tb
+    while start is not None:
+        code_file = os.path.abspath(start.tb_frame.f_code.co_filename)
+        if filename is not None and code_file == filename:
+            return start
+        if filename is None and code_file != here and "runpy" not in os.path.basename(code_file):
+            return start
+        start = start.tb_next
+    return tb
+
+
+def _record(error: BaseException, text: str) -> None:
+    """Write torch elastic's error file for this worker (no-op outside a torchrun job)."""
+    # The worker reads the variable torch elastic sets for exactly this purpose.
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": f"{type(error).__name__}: {error}",
+            # torch reads whole seconds; accel_time orders failures within the same second
+            "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time())),
+                          "accel_time": repr(time.time())},
+        }
+    }
+    try:
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(data, file)
+    except OSError:
+        pass  # reporting is best effort; the traceback is printed anyway
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run ``script.py args`` (or ``-m module args``) as ``__main__``, recording a failure.
+
+    Example:
+        >>> main(["train.py", "--epochs", "1"])  # in a worker started by `accel launch`
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: python -m accel.launch.worker (script.py | -m module) [args ...]")
+        raise SystemExit(0 if args else 2)
+    filename: str | None = None
+    try:
+        if args[0] == "-m":
+            if len(args) < 2:
+                raise SystemExit("accel.launch.worker: -m needs a module name")
+            sys.argv = [args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            filename = os.path.abspath(args[0])
+            sys.argv = [args[0], *args[1:]]
+            sys.path[0] = os.path.dirname(filename)  # as `python script.py` does
+            runpy.run_path(filename, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as error:  # report everything, including KeyboardInterrupt
+        error.__traceback__ = _user_frames(error.__traceback__, filename)
+        text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        _record(error, text)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        raise SystemExit(130 if isinstance(error, KeyboardInterrupt) else 1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Shared helpers for the CLI tests: a clean environment, running `accel`, a training script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# A tiny DDP training run: every rank prints one RESULT line (JSON) with what it saw.
+TRAIN_SCRIPT = '''
+import json, os, sys
+import torch
+import accel
+
+with accel.distributed() as st:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    ddp = torch.nn.parallel.DistributedDataParallel(model) if st.world_size > 1 else model
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(st.rank)
+    for _ in range(3):
+        loss = ddp(torch.randn(8, 4, generator=gen)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    info = {
+        "rank": st.rank, "world": st.world_size, "local_rank": st.local_rank,
+        "node_rank": st.node_rank, "num_nodes": st.num_nodes,
+        "mixed_precision": st.mixed_precision,
+        "gradient_accumulation_steps": st.gradient_accumulation_steps,
+        "strategy": st.strategy, "backend": st.backend, "device": str(st.device),
+        "port": os.environ.get("MASTER_PORT"), "omp": os.environ.get("OMP_NUM_THREADS"),
+        "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT"), "argv": sys.argv[1:],
+        "ranks": accel.gather_object(st.rank), "weights": weights.tolist(),
+    }
+    print("RESULT " + json.dumps(info), flush=True)
+'''
+
+
+def clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The test process's environment minus launcher/accel variables, with a private config dir."""
+    drop = ("ACCEL_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "GROUP_", "TORCHELASTIC_",
+            "PET_", "SLURM_", "OMPI_", "PMI_", "OMP_NUM_THREADS", "XDG_CONFIG_HOME")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def accel_command(*args: str) -> list[str]:
+    """`accel ARGS` as a command line (through `python -m accel.launch`)."""
+    return [sys.executable, "-m", "accel.launch", *args]
+
+
+def run_accel(
+    tmp_path: Path, *args: str, timeout: float = 90, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run `accel ARGS` in ``tmp_path`` with a clean environment; capture its output."""
+    return subprocess.run(
+        accel_command(*args), cwd=tmp_path, env=clean_env(tmp_path, **env), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, check=False,
+    )
+
+
+def results(output: str) -> list[dict[str, Any]]:
+    """The RESULT lines of the training script, by rank."""
+    found = [json.loads(line.split("RESULT ", 1)[1]) for line in output.splitlines()
+             if line.startswith("RESULT ")]
+    return sorted(found, key=lambda r: int(r["rank"]))
+
+
+def write_script(tmp_path: Path, text: str = TRAIN_SCRIPT, name: str = "train.py") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path

@@ -1,0 +1,161 @@
+"""`accel launch` and `accel test` as subprocesses: real workers through torch's elastic agent."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.cli._helpers import (
+    TRAIN_SCRIPT,
+    accel_command,
+    clean_env,
+    results,
+    run_accel,
+    write_script,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_cpu_processes_train_with_options(tmp_path: Path) -> None:
+    write_script(tmp_path)
+    done = run_accel(tmp_path, "launch", "--nproc-per-node", "2", "--mixed-precision", "bf16",
+                     "--gradient-accumulation-steps", "4", "train.py", "--epochs", "1")
+    assert done.returncode == 0, done.stdout
+    ranks = results(done.stdout)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["world"] == 2
+        assert r["backend"] == "gloo"
+        assert r["device"] == "cpu"
+        assert r["mixed_precision"] == "bf16"
+        assert r["gradient_accumulation_steps"] == 4
+        assert r["strategy"] == "ddp"
+        assert r["ranks"] == [0, 1]
+        assert r["argv"] == ["--epochs", "1"]
+        assert r["omp"] is not None
+        assert int(r["omp"]) >= 1
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # DDP kept them in sync
+
+
+def test_accelerate_flags_and_module_entry(tmp_path: Path) -> None:
+    write_script(tmp_path)
+    # `python -m accel.launch script.py` (no subcommand) is `accel launch script.py`
+    done = run_accel(tmp_path, "--num_processes", "2", "--num_machines", "1",
+                     "--mixed_precision", "fp16", "--gradient_accumulation_steps", "2", "--cpu",
+                     "--multi_gpu", "train.py")
+    assert done.returncode == 0, done.stdout
+    ranks = results(done.stdout)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert {(r["mixed_precision"], r["gradient_accumulation_steps"]) for r in ranks} == {
+        ("fp16", 2)
+    }
+
+
+def test_two_launches_at_once_use_different_free_ports(tmp_path: Path) -> None:
+    write_script(tmp_path)
+    env = clean_env(tmp_path)
+    command = accel_command("launch", "--nproc-per-node", "2", "train.py")
+    procs = [subprocess.Popen(command, cwd=tmp_path, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for _ in range(2)]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    ports = [{r["port"] for r in results(output)} for output in outputs]
+    assert all(len(p) == 1 for p in ports)
+    assert ports[0] != ports[1]
+
+
+def test_a_failing_rank_is_reported_with_its_traceback(tmp_path: Path) -> None:
+    write_script(tmp_path, text=(
+        "import accel\n"
+        "def load_batch(rank):\n"
+        "    raise ValueError(f'corrupt shard on rank {rank}')\n"
+        "with accel.distributed() as st:\n"
+        "    if st.rank == 1:\n"
+        "        load_batch(st.rank)\n"
+        "    accel.wait_for_everyone()\n"
+    ))
+    done = run_accel(tmp_path, "launch", "--nproc-per-node", "2", "train.py")
+    assert done.returncode == 1
+    out = done.stdout
+    assert "train.py failed on rank 1 (local rank 1" in out
+    assert "raised ValueError: corrupt shard on rank 1" in out
+    assert "----- traceback of rank 1 -----" in out
+    report = out.split("----- traceback of rank 1 -----", 1)[1]
+    assert "in load_batch" in report
+    assert "ValueError: corrupt shard on rank 1" in report
+    assert "error_file: <N/A>" not in out
+
+
+def test_a_killed_rank_restarts_and_the_job_completes(tmp_path: Path) -> None:
+    marker = tmp_path / "killed-once"
+    write_script(tmp_path, text=TRAIN_SCRIPT.replace(
+        "with accel.distributed() as st:\n",
+        "with accel.distributed() as st:\n"
+        "    import signal\n"
+        f"    if st.rank == 1 and not os.path.exists({str(marker)!r}):\n"
+        f"        open({str(marker)!r}, 'w').close()\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n",
+    ))
+    done = run_accel(tmp_path, "launch", "--nproc-per-node", "2", "--max-restarts", "1",
+                     "train.py")
+    assert done.returncode == 0, done.stdout
+    assert marker.exists()
+    ranks = results(done.stdout)
+    assert [(r["rank"], r["restart"]) for r in ranks] == [(0, "1"), (1, "1")]
+    # without restarts the same kill fails the job with the signal named
+    marker.unlink()
+    failed = run_accel(tmp_path, "launch", "--nproc-per-node", "2", "train.py")
+    assert failed.returncode == 128 + 9
+    assert "rank 1 (local rank 1" in failed.stdout
+    assert "SIGKILL" in failed.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_two_machines_on_one_host_train_together(tmp_path: Path) -> None:
+    write_script(tmp_path)
+    env = clean_env(tmp_path)
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            accel_command("launch", "--nnodes", "2", "--node-rank", str(node),
+                          "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+                          "--master-port", port, "train.py"),
+            cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    node0, node1 = (results(output) for output in outputs)
+    assert [(r["rank"], r["node_rank"], r["num_nodes"]) for r in node0] == [(0, 0, 2)]
+    assert [(r["rank"], r["node_rank"], r["num_nodes"]) for r in node1] == [(1, 1, 2)]
+    assert node0[0]["world"] == node1[0]["world"] == 2
+    assert node0[0]["weights"] == node1[0]["weights"]  # trained together, agree
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_selftest_passes(tmp_path: Path, nproc: int) -> None:
+    done = run_accel(tmp_path, "test", "--nproc-per-node", str(nproc))
+    assert done.returncode == 0, done.stdout
+    assert f"all checks passed on {nproc} process(es)" in done.stdout
+    assert "ok  collectives" in done.stdout
+    assert "ok  checkpoint round trip" in done.stdout
+    assert done.stdout.rstrip().endswith("accel test: PASS")
+
+
+def test_invalid_options_are_reported_without_a_traceback(tmp_path: Path) -> None:
+    done = run_accel(tmp_path, "launch", "--mixed-precision", "fp32", "train.py")
+    assert done.returncode == 2
+    assert "accel launch: error:" in done.stdout
+    assert "mixed_precision='fp32'" in done.stdout
+    assert "Traceback" not in done.stdout
