@@ -195,23 +195,34 @@ class ShardSpec:
             return rounds + 1
         return rounds + (1 if self.rank < extra else 0)
 
-    def shard(self, batches: Iterable[Batch], record: Recorder | None = None) -> Iterator[Batch]:
+    def shard(
+        self,
+        batches: Iterable[Batch],
+        record: Recorder | None = None,
+        even: Callable[[], bool] | None = None,
+    ) -> Iterator[Batch]:
         """This rank's batches, in order; ``record`` receives the last round when known.
 
         Args:
             batches: The batch sampler's batches (lists of indices) for one epoch.
             record: Called once, after the last batch, with the :class:`FinalRound`.
+            even: Read at the end of the epoch instead of ``even_batches`` (so that it can
+                change while the epoch runs, as ``join_uneven_inputs`` does).
 
         Example:
             >>> spec = ShardSpec(rank=0, world_size=2, batch_size=4, split_batches=True)
             >>> list(spec.shard([[0, 1, 2, 3], [4, 5, 6, 7]]))
             [[0, 1], [4, 5]]
         """
+        even_now = even if even is not None else self._even
         if self.world_size == 1:
             return self._whole(batches, record)
         if self.split_batches:
-            return self._split(batches, record)
-        return self._deal(batches, record)
+            return self._split(batches, record, even_now)
+        return self._deal(batches, record, even_now)
+
+    def _even(self) -> bool:
+        return self.even_batches
 
     @staticmethod
     def _whole(batches: Iterable[Batch], record: Recorder | None) -> Iterator[Batch]:
@@ -222,9 +233,11 @@ class ShardSpec:
         if size >= 0 and record is not None:
             record(FinalRound(sizes=(size,), real=(size,)))
 
-    def _deal(self, batches: Iterable[Batch], record: Recorder | None) -> Iterator[Batch]:
+    def _deal(
+        self, batches: Iterable[Batch], record: Recorder | None, even: Callable[[], bool]
+    ) -> Iterator[Batch]:
         world, rank, size = self.world_size, self.rank, self.batch_size
-        keep_pool = self.even_batches and not self.drop_last
+        keep_pool = not self.drop_last
         pool: list[Any] = []  # first round: flat indices (fixed size) or batches (variable)
         pool_batches = 0
         current: list[Batch] = []
@@ -237,28 +250,26 @@ class ShardSpec:
                     pool.extend(batch)
                 pool_batches += 1
             if len(current) == world:  # a short batch completed a round but more came
-                raise ConfigError(
-                    f"the batch sampler yielded a batch of {len(current[-1])} indices before "
-                    f"its end although its batch_size is {size!r}; even_batches=True needs "
-                    "full batches until the last. Use `prepare_data_loader(loader, "
-                    "even_batches=False)`."
-                )
-            current.append(batch)
-            if len(current) == world and (
-                size is None or len(batch) == size or not self.even_batches
-            ):
+                if even():
+                    raise ConfigError(
+                        f"the batch sampler yielded a batch of {len(current[-1])} indices "
+                        f"before its end although its batch_size is {size!r}; "
+                        "even_batches=True needs full batches until the last. Use "
+                        "`prepare_data_loader(loader, even_batches=False)`."
+                    )
                 yield current[rank]
                 last = tuple(len(b) for b in current)
                 current = []
-        if not current:
+            current.append(batch)
+            if len(current) == world and (size is None or len(batch) == size):
+                yield current[rank]
+                last = tuple(len(b) for b in current)
+                current = []
+        if not current or self.drop_last:
             if last is not None and record is not None:
                 record(FinalRound(sizes=last, real=last))
             return
-        if self.drop_last:
-            if last is not None and record is not None:
-                record(FinalRound(sizes=last, real=last))
-            return
-        if not self.even_batches:
+        if not even():
             sizes = tuple(len(current[r]) if r < len(current) else 0 for r in range(world))
             if rank < len(current):
                 yield current[rank]
@@ -297,7 +308,9 @@ class ShardSpec:
         if record is not None:
             record(FinalRound(sizes=tuple(sizes), real=tuple(real)))
 
-    def _split(self, batches: Iterable[Batch], record: Recorder | None) -> Iterator[Batch]:
+    def _split(
+        self, batches: Iterable[Batch], record: Recorder | None, even: Callable[[], bool]
+    ) -> Iterator[Batch]:
         world, rank = self.world_size, self.rank
         size = self.batch_size
         assert size is not None  # checked in __attrs_post_init__
@@ -326,7 +339,7 @@ class ShardSpec:
                 record(FinalRound(sizes=(per_rank,) * world, real=(per_rank,) * world))
             return
         counts = split_counts(len(short), per_rank, world)
-        if self.even_batches:
+        if even():
             pool = _grow(list(first or []), size)
             completed = list(short) + pool[: size - len(short)]
             yield completed[lo:hi]
@@ -503,10 +516,23 @@ class ShardedBatchSampler(Sampler[list[Any]]):
     def _record(self, final: FinalRound) -> None:
         self.final_round = final
 
+    @property
+    def even_batches(self) -> bool:
+        """Whether the last round is completed; may change while an epoch runs."""
+        return self.spec.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        if value != self.spec.even_batches:
+            self.spec = attrs.evolve(self.spec, even_batches=bool(value))
+
+    def _even(self) -> bool:
+        return self.spec.even_batches
+
     def __iter__(self) -> Iterator[list[Any]]:
         self.reseed(self.epoch)
         self.final_round = None
-        batches = self.spec.shard(self.batch_sampler, self._record)
+        batches = self.spec.shard(self.batch_sampler, self._record, self._even)
         return skip_first(batches, self.skip, keep=self.keep) if self.skip else batches
 
     def __len__(self) -> int:

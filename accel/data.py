@@ -39,7 +39,7 @@ from accel._sharding import (
     ShardSpec,
     StreamShard,
 )
-from accel._state import state
+from accel._state import scope, state
 from accel._tree import map_tensors
 from accel.errors import AccelError, CheckpointError, ConfigError
 
@@ -123,6 +123,30 @@ class _Plan:
 _END = object()
 
 
+@attrs.frozen
+class _WorkerSeeds:
+    """Reseeds a loader's own generator each epoch, from which ``DataLoader`` draws the
+    worker seeds: the user's global RNG is never consumed (exact resume) and each epoch,
+    rank and resume of it draws the same seeds."""
+
+    base: int
+    rank: int
+
+    def apply(self, generator: torch.Generator, epoch: int) -> None:
+        generator.manual_seed((self.base + 1_000_003 * epoch + 7_919 * self.rank) % 2**63)
+
+
+def _worker_seeds(loader: DataLoader[Any], rank: int) -> _WorkerSeeds:
+    own, seed = loader.generator, state().seed
+    if isinstance(own, torch.Generator):
+        base = own.initial_seed()
+    elif seed is not None:
+        base = int(seed)
+    else:
+        base = int(torch.empty((), dtype=torch.int64).random_().item())
+    return _WorkerSeeds(base, rank)
+
+
 def _move_to(device: torch.device, non_blocking: bool, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(device, non_blocking=non_blocking)
 
@@ -136,7 +160,7 @@ def _loader_options(loader: DataLoader[Any]) -> dict[str, Any]:
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
-        "generator": loader.generator,
+        "generator": torch.Generator(),  # worker seeds: reseeded per epoch, see _WorkerSeeds
         "persistent_workers": loader.persistent_workers,
         "pin_memory_device": getattr(loader, "pin_memory_device", ""),
     }
@@ -173,9 +197,11 @@ class PreparedDataLoader(DataLoader[Any]):
         sharded: ShardedBatchSampler | None = None,
         stream: StreamShard | None = None,
         base: DataLoader[Any] | None = None,
+        worker_seeds: _WorkerSeeds,
         **options: Any,
     ) -> None:
         super().__init__(dataset, **options)
+        self._worker_seeds = worker_seeds
         self._plan = plan
         self._sharded = sharded
         self._stream = stream
@@ -186,6 +212,7 @@ class PreparedDataLoader(DataLoader[Any]):
         if plan.device is not None and plan.device.type != "cpu" and plan.mode != "dispatch":
             self._move = partial(map_tensors, partial(_move_to, plan.device, plan.non_blocking))
         self._dispatch_final: FinalRound | None = None
+        self._even_batches = True if sharded is None else sharded.even_batches
         #: batch sizes may differ between ranks in any round (variable-size batch sampler)
         self.ragged_batches = (
             sharded is not None and sharded.spec.batch_size is None and plan.world_size > 1
@@ -206,6 +233,27 @@ class PreparedDataLoader(DataLoader[Any]):
     def device(self) -> torch.device | None:
         """Where batches are placed (``None`` without device placement)."""
         return self._plan.device
+
+    @property
+    def split_batches(self) -> bool:
+        """Whether each original batch is cut into ``world_size`` slices."""
+        return self._plan.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        """Whether the last round is completed by cycling (map-style datasets only).
+
+        Setting it also applies to the epoch being iterated, if its end is not reached yet.
+        Inside ``accel.join_uneven_inputs(..., even_batches=...)`` an iteration that starts
+        uses the block's value instead.
+        """
+        return self._even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self._even_batches = bool(value)
+        if self._sharded is not None:
+            self._sharded.even_batches = bool(value)
 
     @property
     def total_batch_size(self) -> int | None:
@@ -299,12 +347,18 @@ class PreparedDataLoader(DataLoader[Any]):
         if plan.mode == "dispatch":
             return self._run(self._dispatch(epoch, start), epoch)
         if self._sharded is not None:
+            from accel.uneven import EVEN_BATCHES_KEY
+
+            override = scope().extras.get(EVEN_BATCHES_KEY)
+            even = self._even_batches if override is None else bool(override)
             self._sharded.epoch, self._sharded.skip = epoch, start
+            self._sharded.even_batches = even
         if self._stream is not None:
             self._stream.skip = start * (self._stream.per_rank)
             set_epoch = getattr(self._stream.dataset, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(epoch)
+        self._worker_seeds.apply(self.generator, epoch)
         return self._run(super().__iter__(), epoch)
 
     def _final(self) -> FinalRound | None:
@@ -315,8 +369,6 @@ class PreparedDataLoader(DataLoader[Any]):
         return self._dispatch_final
 
     def _run(self, source: Iterator[Any], epoch: int) -> Iterator[Any]:
-        from accel._state import scope
-
         cursor = self._cursor
         move = self._move
         loaders = scope().active_loaders
@@ -392,6 +444,7 @@ class PreparedDataLoader(DataLoader[Any]):
             set_epoch = getattr(dataset.dataset, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(epoch)
+        self._worker_seeds.apply(base.generator, epoch)
         return concat_rounds(iter(base), group, drop_last=self._plan.drop_last)
 
 
@@ -492,6 +545,7 @@ def prepare_data_loader(
         non_blocking=pin and device is not None and device.type == "cuda",
     )
     options = _loader_options(loader)
+    options["worker_seeds"] = _worker_seeds(loader, rank)
     if plan.mode == "dispatch":
         base = _base_loader(loader, options)
         if iterable:
@@ -552,6 +606,8 @@ def _sharded_sampler(
 
 def _base_loader(loader: DataLoader[Any], options: dict[str, Any]) -> DataLoader[Any]:
     """The unsharded loader rank 0 reads in dispatch mode (seeded per epoch, skips cheaply)."""
+    options = {key: value for key, value in options.items() if key != "worker_seeds"}
+    options["generator"] = torch.Generator()
     single = _Plan(
         mode="shard", rank=0, world_size=1, batch_size=loader.batch_size, split_batches=False,
         drop_last=bool(loader.drop_last), device=None, non_blocking=False,

@@ -82,7 +82,9 @@ def test_result_is_a_dataloader_with_the_original_options() -> None:
         assert isinstance(loader, PreparedDataLoader)
         assert prepare_data_loader(loader) is loader
         assert (loader.num_workers, loader.collate_fn, loader.timeout) == (2, collate, 5.0)
-        assert (loader.worker_init_fn, loader.generator) == (init, generator)
+        assert loader.worker_init_fn is init
+        assert isinstance(loader.generator, torch.Generator)  # its own: worker seeds per epoch
+        assert loader.generator is not generator
         assert (loader.persistent_workers, loader.prefetch_factor) == (True, 3)
         assert loader.total_batch_size == 4
         assert lists(loader) == [[0, 10], [40, 50], [80, 90]]
@@ -453,3 +455,52 @@ def test_uneven_batches_end_per_rank() -> None:
             flags = [loader.end_of_dataloader for _ in loader]
             ends.append((len(loader), flags.index(True) + 1))
     assert ends == [(4, 4), (3, 3)]  # rank 0 has one more batch than rank 1
+
+
+def test_even_batches_override_and_live_change() -> None:
+    from accel.uneven import EVEN_BATCHES_KEY
+
+    with fake(1, 2):
+        loader = prepare_data_loader(DataLoader(range(20), batch_size=3))
+        assert loader.even_batches
+        assert not loader.split_batches
+        scope().extras[EVEN_BATCHES_KEY] = False  # as inside join_uneven_inputs(even_batches=False)
+        assert lists(loader) == [[3, 4, 5], [9, 10, 11], [15, 16, 17]]
+        del scope().extras[EVEN_BATCHES_KEY]
+        assert loader.even_batches
+        assert lists(loader)[-1] == [1, 2, 3]
+        seen = []
+        for batch in loader:  # switched off while the epoch runs: its end is uneven
+            loader.even_batches = False
+            seen.append(batch.tolist())
+        assert seen == [[3, 4, 5], [9, 10, 11], [15, 16, 17]]
+        assert len(loader) == 3
+
+
+class Seeds(Dataset[int]):
+    """Returns the loading process's torch seed (a worker's seed with num_workers > 0)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> int:
+        return torch.initial_seed() % 1_000_000
+
+
+def test_global_rng_untouched_and_worker_seeds_per_epoch() -> None:
+    with fake(0, 1):
+        torch.manual_seed(0)
+        expected = torch.rand(1)
+        torch.manual_seed(0)
+        lists(prepare_data_loader(DataLoader(range(8), batch_size=2, shuffle=True)))
+        assert torch.rand(1) == expected  # iterating drew nothing from the global RNG
+
+        def make() -> Any:
+            return prepare_data_loader(DataLoader(Seeds(), batch_size=4, num_workers=1))
+
+        loader = make()
+        epochs = [lists(loader), lists(loader)]
+        assert epochs[0] != epochs[1]
+        again = make()
+        again.load_state_dict({"epoch": 1, "batches_yielded": 0})
+        assert lists(again) == epochs[1]  # a resumed epoch's workers get the same seeds
