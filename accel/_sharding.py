@@ -563,6 +563,7 @@ class StreamShard(IterableDataset[Any]):
         self.drop_last = drop_last
         self.skip = 0
         self.keep = 0  # elements yielded before the skipped ones
+        self.reseed = Reseeder(None, 0, ())  # run by the loader, in the main process
         self.final_round: FinalRound | None = None
 
     def _record(self, final: FinalRound) -> None:

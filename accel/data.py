@@ -76,6 +76,17 @@ def _epoch_seed(own: object, *, shared: bool) -> int:
     return seed
 
 
+def _stream_reseeder(dataset: Any, *, shared: bool) -> Reseeder:
+    """Per epoch: ``dataset.set_epoch(e)``, else reseed its ``generator`` attribute (every
+    rank reads the whole stream, so all must draw the same order; Accelerate's rule)."""
+    if callable(getattr(dataset, "set_epoch", None)):
+        return Reseeder(None, 0, (dataset,))
+    own = getattr(dataset, "generator", None)
+    if isinstance(own, torch.Generator):
+        return Reseeder(own, _epoch_seed(own, shared=shared), ())
+    return Reseeder(None, 0, ())
+
+
 def _seeded_copy(batch_sampler: Any, dataset: Any, *, shared: bool) -> tuple[Any, Reseeder]:
     """Copy the batch sampler (and its random sampler) so the copy has its own generator."""
     batch_sampler = copy.copy(batch_sampler)
@@ -355,9 +366,7 @@ class PreparedDataLoader(DataLoader[Any]):
             self._sharded.even_batches = even
         if self._stream is not None:
             self._stream.skip = start * (self._stream.per_rank)
-            set_epoch = getattr(self._stream.dataset, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
+            self._stream.reseed(epoch)
         self._worker_seeds.apply(self.generator, epoch)
         return self._run(super().__iter__(), epoch)
 
@@ -441,9 +450,7 @@ class PreparedDataLoader(DataLoader[Any]):
         if isinstance(dataset, StreamShard):
             dataset.skip = skip * dataset.per_rank
             dataset.keep = keep * dataset.per_rank
-            set_epoch = getattr(dataset.dataset, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
+            dataset.reseed(epoch)
         self._worker_seeds.apply(base.generator, epoch)
         return concat_rounds(iter(base), group, drop_last=self._plan.drop_last)
 
@@ -567,6 +574,7 @@ def prepare_data_loader(
         stream = StreamShard(
             dataset, rank=rank, world_size=world, per_rank=per_rank, drop_last=plan.drop_last
         )
+        stream.reseed = _stream_reseeder(dataset, shared=True)
         return PreparedDataLoader(
             stream, plan=plan, stream=stream, batch_size=per_rank,
             drop_last=plan.drop_last, **options,
@@ -618,6 +626,7 @@ def _base_loader(loader: DataLoader[Any], options: dict[str, Any]) -> DataLoader
             loader.dataset, rank=0, world_size=1, per_rank=loader.batch_size,
             drop_last=bool(loader.drop_last),
         )
+        stream.reseed = _stream_reseeder(loader.dataset, shared=False)
         return DataLoader(
             stream, batch_size=loader.batch_size, drop_last=bool(loader.drop_last), **options
         )

@@ -504,3 +504,30 @@ def test_global_rng_untouched_and_worker_seeds_per_epoch() -> None:
         again = make()
         again.load_state_dict({"epoch": 1, "batches_yielded": 0})
         assert lists(again) == epochs[1]  # a resumed epoch's workers get the same seeds
+
+
+class ShuffledStream(IterableDataset[int]):
+    """Shuffles itself with its ``generator`` attribute (no set_epoch)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.generator = torch.Generator()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(torch.randperm(self.n, generator=self.generator).tolist())
+
+
+def test_iterable_dataset_generator_reseeded_per_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import accel.collectives
+
+    monkeypatch.setattr(accel.collectives, "broadcast_object", lambda obj, from_process=0: obj)
+    per_rank = []
+    for rank in range(2):
+        with fake(rank, 2):
+            loader = prepare_data_loader(DataLoader(ShuffledStream(12), batch_size=3),
+                                         dispatch_batches=False)
+            per_rank.append([lists(loader), lists(loader)])
+    for epoch in range(2):  # both ranks read the same order, so their shards partition it
+        rounds = zip(per_rank[0][epoch], per_rank[1][epoch], strict=True)
+        assert sorted(i for r in rounds for batch in r for i in batch) == list(range(12))
+    assert per_rank[0][0] != per_rank[0][1]
