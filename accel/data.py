@@ -32,9 +32,9 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from accel._dispatch import concat_rounds, dispatch_rounds
+from accel._epochs import WorkerSeeds, seeded_copy, stream_reseeder, worker_seeds
 from accel._sharding import (
     FinalRound,
-    Reseeder,
     ShardedBatchSampler,
     ShardSpec,
     StreamShard,
@@ -51,60 +51,6 @@ _STATE_KEYS = ("epoch", "batches_yielded")
 
 class DataLoaderTypeError(AccelError, TypeError):
     """``prepare_data_loader`` / ``skip_first_batches`` received something else than a loader."""
-
-
-# --------------------------------------------------------------------------- epoch seeding
-
-
-def _epoch_seed(own: object, *, shared: bool) -> int:
-    """The base shuffle seed: the user's generator's, else ``state().seed``, else random.
-
-    Unless it came from ``state().seed`` (the same everywhere), rank 0's seed is broadcast
-    when every rank must shuffle alike.
-    """
-    st = state()
-    if isinstance(own, torch.Generator):
-        seed = own.initial_seed()
-    elif st.seed is not None:
-        return int(st.seed)
-    else:
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
-    if shared and st.world_size > 1:
-        from accel.collectives import broadcast_object
-
-        seed = int(broadcast_object(seed))
-    return seed
-
-
-def _stream_reseeder(dataset: Any, *, shared: bool) -> Reseeder:
-    """Per epoch: ``dataset.set_epoch(e)``, else reseed its ``generator`` attribute (every
-    rank reads the whole stream, so all must draw the same order; Accelerate's rule)."""
-    if callable(getattr(dataset, "set_epoch", None)):
-        return Reseeder(None, 0, (dataset,))
-    own = getattr(dataset, "generator", None)
-    if isinstance(own, torch.Generator):
-        return Reseeder(own, _epoch_seed(own, shared=shared), ())
-    return Reseeder(None, 0, ())
-
-
-def _seeded_copy(batch_sampler: Any, dataset: Any, *, shared: bool) -> tuple[Any, Reseeder]:
-    """Copy the batch sampler (and its random sampler) so the copy has its own generator."""
-    batch_sampler = copy.copy(batch_sampler)
-    inner = getattr(batch_sampler, "sampler", None)
-    generator: torch.Generator | None = None
-    seed = 0
-    if inner is not None and hasattr(inner, "generator"):
-        inner = copy.copy(inner)
-        batch_sampler.sampler = inner
-        seed = _epoch_seed(inner.generator, shared=shared)
-        generator = torch.Generator()
-        inner.generator = generator
-    targets = tuple(
-        obj
-        for obj in (inner, batch_sampler, dataset)
-        if obj is not None and callable(getattr(obj, "set_epoch", None))
-    )
-    return batch_sampler, Reseeder(generator, seed, targets)
 
 
 # --------------------------------------------------------------------------- the loader
@@ -134,30 +80,6 @@ class _Plan:
 _END = object()
 
 
-@attrs.frozen
-class _WorkerSeeds:
-    """Reseeds a loader's own generator each epoch, from which ``DataLoader`` draws the
-    worker seeds: the user's global RNG is never consumed (exact resume) and each epoch,
-    rank and resume of it draws the same seeds."""
-
-    base: int
-    rank: int
-
-    def apply(self, generator: torch.Generator, epoch: int) -> None:
-        generator.manual_seed((self.base + 1_000_003 * epoch + 7_919 * self.rank) % 2**63)
-
-
-def _worker_seeds(loader: DataLoader[Any], rank: int) -> _WorkerSeeds:
-    own, seed = loader.generator, state().seed
-    if isinstance(own, torch.Generator):
-        base = own.initial_seed()
-    elif seed is not None:
-        base = int(seed)
-    else:
-        base = int(torch.empty((), dtype=torch.int64).random_().item())
-    return _WorkerSeeds(base, rank)
-
-
 def _move_to(device: torch.device, non_blocking: bool, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(device, non_blocking=non_blocking)
 
@@ -171,7 +93,7 @@ def _loader_options(loader: DataLoader[Any]) -> dict[str, Any]:
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
-        "generator": torch.Generator(),  # worker seeds: reseeded per epoch, see _WorkerSeeds
+        "generator": torch.Generator(),  # worker seeds: reseeded per epoch, see WorkerSeeds
         "persistent_workers": loader.persistent_workers,
         "pin_memory_device": getattr(loader, "pin_memory_device", ""),
     }
@@ -208,11 +130,11 @@ class PreparedDataLoader(DataLoader[Any]):
         sharded: ShardedBatchSampler | None = None,
         stream: StreamShard | None = None,
         base: DataLoader[Any] | None = None,
-        worker_seeds: _WorkerSeeds,
+        worker_seeds: WorkerSeeds,
         **options: Any,
     ) -> None:
         super().__init__(dataset, **options)
-        self._worker_seeds = worker_seeds
+        self.worker_seeds = worker_seeds
         self._plan = plan
         self._sharded = sharded
         self._stream = stream
@@ -367,7 +289,7 @@ class PreparedDataLoader(DataLoader[Any]):
         if self._stream is not None:
             self._stream.skip = start * (self._stream.per_rank)
             self._stream.reseed(epoch)
-        self._worker_seeds.apply(self.generator, epoch)
+        self.worker_seeds.apply(self.generator, epoch)
         return self._run(super().__iter__(), epoch)
 
     def _final(self) -> FinalRound | None:
@@ -451,7 +373,7 @@ class PreparedDataLoader(DataLoader[Any]):
             dataset.skip = skip * dataset.per_rank
             dataset.keep = keep * dataset.per_rank
             dataset.reseed(epoch)
-        self._worker_seeds.apply(base.generator, epoch)
+        self.worker_seeds.apply(base.generator, epoch)
         return concat_rounds(iter(base), group, drop_last=self._plan.drop_last)
 
 
@@ -487,6 +409,14 @@ def prepare_data_loader(
     ``dispatch_batches=None`` means ``True`` for an ``IterableDataset`` with device placement
     (Accelerate's default), else ``False``: rank 0 reads each round, broadcasts it, and every
     rank keeps its slice. Preparing a prepared loader returns it unchanged.
+
+    The result is a plain ``DataLoader`` subclass rebuilt from the original's options (a
+    ``DataLoader`` subclass's own behaviour is not kept); it never draws from the global RNG.
+    Resuming (``load_state_dict``, :func:`skip_first_batches`) skips map-style batches by
+    index; an iterable dataset's skipped elements are read and dropped, and with
+    ``persistent_workers`` its workers keep the epoch and skip of their first epoch (as
+    PyTorch's ``set_epoch`` on such datasets). As with PyTorch, an ``IterableDataset`` read
+    by several workers must split itself between them (``get_worker_info``).
 
     Args:
         loader: The loader to shard; its options (workers, collate_fn, pinning...) are kept.
@@ -552,7 +482,7 @@ def prepare_data_loader(
         non_blocking=pin and device is not None and device.type == "cuda",
     )
     options = _loader_options(loader)
-    options["worker_seeds"] = _worker_seeds(loader, rank)
+    options["worker_seeds"] = worker_seeds(loader, rank)
     if plan.mode == "dispatch":
         base = _base_loader(loader, options)
         if iterable:
@@ -574,7 +504,7 @@ def prepare_data_loader(
         stream = StreamShard(
             dataset, rank=rank, world_size=world, per_rank=per_rank, drop_last=plan.drop_last
         )
-        stream.reseed = _stream_reseeder(dataset, shared=True)
+        stream.reseed = stream_reseeder(dataset, shared=True)
         return PreparedDataLoader(
             stream, plan=plan, stream=stream, batch_size=per_rank,
             drop_last=plan.drop_last, **options,
@@ -599,7 +529,7 @@ def _sharded_sampler(
                 "batch_size=...)` or pass a `BatchSampler` as `batch_sampler`."
             )
         source = loader.sampler
-    batch_sampler, reseed = _seeded_copy(source, loader.dataset, shared=shared)
+    batch_sampler, reseed = seeded_copy(source, loader.dataset, shared=shared)
     size = getattr(batch_sampler, "batch_size", None)
     spec = ShardSpec(
         rank=plan.rank,
@@ -626,7 +556,7 @@ def _base_loader(loader: DataLoader[Any], options: dict[str, Any]) -> DataLoader
             loader.dataset, rank=0, world_size=1, per_rank=loader.batch_size,
             drop_last=bool(loader.drop_last),
         )
-        stream.reseed = _stream_reseeder(loader.dataset, shared=False)
+        stream.reseed = stream_reseeder(loader.dataset, shared=False)
         return DataLoader(
             stream, batch_size=loader.batch_size, drop_last=bool(loader.drop_last), **options
         )
