@@ -76,10 +76,10 @@ def join_uneven_inputs(
     process it only runs the block.
 
     ``even_batches`` overrides the prepared data loaders' setting for the block: pass
-    ``even_batches=False`` so loaders stop padding the last batches with repeated samples
+    ``even_batches=False`` so loaders stop padding the last round with repeated samples
     (Join handles the uneven ends instead). It applies to prepared loaders being iterated when
-    the block starts and to those started inside it (they read the override from the scope
-    record); other loaders are unaffected.
+    the block starts (switched, then restored on exit) and to iterations started inside it
+    (prepared loaders read the override from the scope record).
 
     Args:
         joinables: a DDP model, or a list of models/optimizers implementing ``Joinable``.

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
 
 import accel
 from accel.memory import OtherRankFailedError
@@ -81,7 +82,18 @@ def _join_body() -> dict[str, Any]:
             seen += 1
     accel.wait_for_everyone()
     weights = accel.gather(model.module.weight.detach().reshape(1, -1))
-    return {"seen": seen, "in_sync": bool((weights == weights[0]).all())}
+    out: dict[str, Any] = {"seen": seen, "in_sync": bool((weights == weights[0]).all())}
+    # a prepared loader follows the block's even_batches: no padded samples inside it
+    loader = accel.prepare_data_loader(DataLoader(TensorDataset(torch.arange(7.0)), batch_size=2))
+    out["padded"] = [x.tolist() for (x,) in loader]
+    with accel.join_uneven_inputs([model], even_batches=False):
+        out["joined"] = []
+        for (x,) in loader:
+            model(x.reshape(-1, 1).expand(-1, 4)).sum().backward()
+            out["joined"].append(x.tolist())
+    out["after"] = [x.tolist() for (x,) in loader]
+    out["even_batches"] = loader.even_batches
+    return out
 
 
 @pytest.mark.slow  # a spawn plus DDP set-up on every rank
@@ -90,3 +102,9 @@ def test_join_uneven_inputs_with_ddp(world_size: int) -> None:
     results = run_distributed(_join_body, world_size=world_size, timeout=60)
     assert [r["seen"] for r in results] == [2 + 2 * r for r in range(world_size)]
     assert all(r["in_sync"] for r in results)  # the joined ranks shadowed the all-reduces
+    joined = sorted(v for r in results for batch in r["joined"] for v in batch)
+    assert joined == [float(v) for v in range(7)]  # every sample once, no padding
+    padded = [len(r["padded"]) for r in results]
+    assert len(set(padded)) == 1  # outside the block: even batches (padded)
+    assert sum(len(batch) for r in results for batch in r["padded"]) > 7
+    assert all(r["after"] == r["padded"] and r["even_batches"] for r in results)  # restored
