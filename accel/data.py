@@ -232,16 +232,17 @@ class PreparedDataLoader(DataLoader[Any]):
             >>> loader.load_state_dict({"epoch": 1, "batches_yielded": 3})
             >>> next(iter(loader))  # batch 3 of epoch 1
         """
-        values = [state_dict.get(key) if isinstance(state_dict, dict) else None
-                  for key in _STATE_KEYS]
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-            raise CheckpointError(
-                f"a data loader position needs non-negative integers {list(_STATE_KEYS)}, got "
-                f"{state_dict!r}. Pass what `loader.state_dict()` returned."
-            )
-        epoch, yielded = values
+        values: list[int] = []
+        for key in _STATE_KEYS:
+            value = state_dict.get(key) if isinstance(state_dict, dict) else None
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CheckpointError(
+                    f"a data loader position needs non-negative integers {list(_STATE_KEYS)}, "
+                    f"got {state_dict!r}. Pass what `loader.state_dict()` returned."
+                )
+            values.append(value)
         cursor = self._cursor
-        cursor.epoch, cursor.yielded, cursor.pending = int(epoch), int(yielded), True  # type: ignore[arg-type]
+        cursor.epoch, cursor.yielded, cursor.pending = values[0], values[1], True
 
     def _begin(self) -> tuple[int, int]:
         cursor = self._cursor

@@ -109,7 +109,8 @@ def trim_gathered(
     """
     if final is None and prefix < 0:
         return gathered
-    return zip_map_tensors(partial(_trim_one, final, prefix), original, gathered)  # type: ignore[no-any-return]
+    trimmed: T = zip_map_tensors(partial(_trim_one, final, prefix), original, gathered)
+    return trimmed
 
 
 def _take(value: Any, count: int | None) -> Any:

@@ -87,14 +87,14 @@ def _epochs_body() -> dict[str, Any]:
         )
     # mixed outputs (tensors and objects) and use_gather_object, on padded last rounds
     mixed: list[int] = []
-    names: list[str] = []
+    mixed_names: list[str] = []
     forced: list[int] = []
     for batch in prepare_data_loader(DataLoader(range(13), batch_size=2)):
         out = gather_for_metrics({"x": batch, "names": [f"s{i}" for i in batch.tolist()]})
         mixed += out["x"].tolist()
-        names += out["names"]
+        mixed_names += out["names"]
         forced += gather_for_metrics(batch, use_gather_object=True).tolist()
-    results["mixed"] = (mixed == list(range(13)), names == [f"s{i}" for i in range(13)])
+    results["mixed"] = (mixed == list(range(13)), mixed_names == [f"s{i}" for i in range(13)])
     results["use_gather_object"] = (forced == list(range(13)), True)
     return results
 
