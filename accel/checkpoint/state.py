@@ -121,17 +121,18 @@ def _write_object(
 
 def _write_rank_files(tmp: Path, objects: dict[str, Any], rank: int) -> list[FileRecord]:
     records: list[FileRecord] = []
-    if rank == 0:
-        for name, obj in objects.items():
-            extra: dict[str, Any] = {}
-            if isinstance(obj, nn.Module):  # accumulate() counts batches on the model
-                step = _accumulation_step(obj.__dict__, MODEL_COUNTER)
-                extra["accumulation_step"] = step
-                if step:  # mid-cycle: the gradients accumulated so far are state too
-                    grads = _gradients(_unwrap(obj))
-                    if grads:
-                        records += _write_object(tmp, f"{name}{GRADS}", grads)
-                        extra["gradients"] = True
+    for name, obj in objects.items():
+        if not isinstance(obj, nn.Module):
+            if rank == 0:
+                records += _write_object(tmp, name, obj.state_dict())
+            continue
+        step = _accumulation_step(obj.__dict__, MODEL_COUNTER)  # accumulate() counts on it
+        if step:  # mid-cycle: each rank's local, not yet synced, gradients are state too
+            grads = _gradients(_unwrap(obj))
+            if grads:
+                records += _write_object(tmp, f"{name}{GRADS}_rank{rank}", grads)
+        if rank == 0:
+            extra = {"accumulation_step": step}
             records += _write_object(tmp, name, _unwrap(obj).state_dict(), extra)
     scope_step = _accumulation_step(scope().extras, SCOPE_COUNTER)
     records += _write_object(
@@ -396,11 +397,19 @@ def _load_from(path: Path, objects: dict[str, Any], rank: int, world_size: int) 
         )
     files = {f["name"]: f for f in manifest["files"]}
     scaler = scope().grad_scaler
-    wanted = list(objects)
-    wanted += [f"{name}{GRADS}" for name in objects if f"{name}{GRADS}.json" in files]
+    same_world = manifest["world_size"] == world_size
+    grad_files = {name: f"{name}{GRADS}_rank{rank}" for name in objects}
+    has_grads = [name for name in objects if any(f.startswith(f"{name}{GRADS}_") for f in files)]
+    if has_grads and not same_world:
+        raise CheckpointError(
+            f"The checkpoint at {os.fspath(path)!r} was saved in the middle of a gradient "
+            f"accumulation cycle by {manifest['world_size']} processes; its per-rank gradients "
+            f"cannot be split over {world_size}. Resume with {manifest['world_size']} "
+            "processes, or load a checkpoint saved on a sync step."
+        )
+    wanted = list(objects) + [grad_files[n] for n in has_grads if f"{grad_files[n]}.json" in files]
     if scaler is not None and GRAD_SCALER in saved:
         wanted.append(GRAD_SCALER)
-    same_world = manifest["world_size"] == world_size
     if same_world:
         wanted.append(f"rng_rank{rank}")
     # Files are mapped and CRC-checked in parallel (zlib releases the GIL), then loaded.
@@ -413,7 +422,7 @@ def _load_from(path: Path, objects: dict[str, Any], rank: int, world_size: int) 
         if isinstance(obj, nn.Module) and extra.get("accumulation_step") is not None:
             obj.__dict__[MODEL_COUNTER] = extra["accumulation_step"]
         if isinstance(obj, nn.Module):
-            grads = loaded[f"{name}{GRADS}"][0] if f"{name}{GRADS}" in loaded else {}
+            grads = loaded[grad_files[name]][0] if grad_files[name] in loaded else {}
             _restore_gradients(_unwrap(obj), grads)
     if GRAD_SCALER in loaded and scaler is not None:
         scaler.load_state_dict(loaded[GRAD_SCALER][0])
