@@ -89,6 +89,9 @@ _LAZY: dict[str, str] = {
     "find_executable_batch_size": "accel.memory",
     "free_memory": "accel.memory",
     "join_uneven_inputs": "accel.uneven",
+    # launching
+    "notebook_launcher": "accel.launch.notebook",
+    "debug_launcher": "accel.launch.notebook",
 }
 
 __all__ = [
@@ -108,6 +111,11 @@ __all__ = [
 if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diffs small)
     from accel._state import ProcessState as ProcessState
     from accel._state import state as state
+    from accel.accumulation import accumulate as accumulate
+    from accel.accumulation import backward as backward
+    from accel.accumulation import no_sync as no_sync
+    from accel.accumulation import sync_gradients as sync_gradients
+    from accel.accumulation import trigger_sync_in_backward as trigger_sync_in_backward
     from accel.checkpoint import CheckpointInfo as CheckpointInfo
     from accel.checkpoint import get_state_dict as get_state_dict
     from accel.checkpoint import latest_checkpoint as latest_checkpoint
@@ -126,6 +134,8 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.collectives import set_trigger as set_trigger
     from accel.collectives import split_between_processes as split_between_processes
     from accel.collectives import wait_for_everyone as wait_for_everyone
+    from accel.data import prepare_data_loader as prepare_data_loader
+    from accel.data import skip_first_batches as skip_first_batches
     from accel.gating import get_logger as get_logger
     from accel.gating import local_main_process_first as local_main_process_first
     from accel.gating import main_process_first as main_process_first
@@ -135,7 +145,29 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.gating import on_main_process as on_main_process
     from accel.gating import on_process as on_process
     from accel.gating import print as print
+    from accel.launch.notebook import debug_launcher as debug_launcher
+    from accel.launch.notebook import notebook_launcher as notebook_launcher
+    from accel.memory import find_executable_batch_size as find_executable_batch_size
+    from accel.memory import free_memory as free_memory
+    from accel.metrics import gather_for_metrics as gather_for_metrics
+    from accel.model import prepare_model as prepare_model
+    from accel.model import unwrap_model as unwrap_model
+    from accel.optim import clip_grad_norm_ as clip_grad_norm_
+    from accel.optim import clip_grad_value_ as clip_grad_value_
+    from accel.optim import optimizer_step_was_skipped as optimizer_step_was_skipped
+    from accel.optim import prepare_optimizer as prepare_optimizer
+    from accel.optim import prepare_scheduler as prepare_scheduler
+    from accel.optim import unscale_gradients as unscale_gradients
+    from accel.precision import autocast as autocast
+    from accel.preparation import prepare as prepare
     from accel.process_group import distributed as distributed
+    from accel.profiling import profile as profile
+    from accel.progress_bar import progress as progress
+    from accel.seeding import set_seed as set_seed
+    from accel.trackers import get_tracker as get_tracker
+    from accel.trackers import log as log
+    from accel.trackers import tracking as tracking
+    from accel.uneven import join_uneven_inputs as join_uneven_inputs
 
 
 def __getattr__(name: str) -> Any:
