@@ -22,7 +22,8 @@ from torch import nn
 import accel
 from accel.errors import AccelError
 
-__all__ = ["SelfTestError", "main", "run_checks"]
+__all__ = ["SelfTestError", "check_checkpoint", "check_collectives", "check_training", "main",
+           "run_checks"]
 
 _STEPS = 3
 _GLOBAL_BATCH = 12
@@ -38,7 +39,14 @@ def _expect(condition: bool, what: str) -> None:
 
 
 def check_collectives() -> str:
-    """reduce, gather, broadcast, gather_object, broadcast_object, pad, barrier."""
+    """reduce, gather, broadcast, gather_object, broadcast_object, pad, barrier.
+
+    Must be called on every rank, inside ``accel.distributed()``.
+
+    Example:
+        >>> check_collectives()
+        'collectives on 2 processes (gloo, cpu)'
+    """
     st = accel.state()
     rank, world = st.rank, st.world_size
     mine = torch.tensor([float(rank + 1)])
@@ -79,7 +87,14 @@ def _train(model: nn.Module, batches: Callable[[int], tuple[torch.Tensor, torch.
 
 
 def check_training() -> str:
-    """DDP training on shards matches one process training on the whole batch."""
+    """DDP training on shards matches one process training on the whole batch.
+
+    Must be called on every rank, inside ``accel.distributed()``.
+
+    Example:
+        >>> check_training()
+        '3 DDP training steps agree across ranks and with one process'
+    """
     st = accel.state()
     rank, world, device = st.rank, st.world_size, st.device
     torch.manual_seed(0)
@@ -109,7 +124,14 @@ def check_training() -> str:
 
 
 def check_checkpoint() -> str:
-    """A safetensors save/load round trip of a state dict is exact."""
+    """A safetensors save/load round trip of a state dict is exact.
+
+    Must be called on every rank, inside ``accel.distributed()``.
+
+    Example:
+        >>> check_checkpoint()
+        'checkpoint round trip (safetensors)'
+    """
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(accel.state().rank)

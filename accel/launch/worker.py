@@ -18,22 +18,26 @@ import time
 import traceback
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Any
 
 __all__ = ["main"]
 
 
 def _user_frames(tb: TracebackType | None, filename: str | None) -> TracebackType | None:
-    """Skip the frames of this module and runpy, up to the first frame of the user's code."""
+    """Skip the frames of this module and runpy, up to the first frame of the user's code.
+
+    ``None`` when there is none (a SyntaxError in the script: its message names the line).
+    """
     here = os.path.abspath(__file__)
     start = tb
     while start is not None:
         code_file = os.path.abspath(start.tb_frame.f_code.co_filename)
         if filename is not None and code_file == filename:
             return start
-        if filename is None and code_file != here and "runpy" not in os.path.basename(code_file):
+        if filename is None and code_file != here and "runpy" not in code_file:
             return start
         start = start.tb_next
-    return tb
+    return None
 
 
 def _record(error: BaseException, text: str) -> None:
@@ -57,11 +61,15 @@ def _record(error: BaseException, text: str) -> None:
         pass  # reporting is best effort; the traceback is printed anyway
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run ``script.py args`` (or ``-m module args``) as ``__main__``, recording a failure.
 
+    Returns the script's globals: the caller keeps them until the interpreter exits, so the
+    script's objects (models, process groups) are torn down at exit as with ``python script.py``
+    rather than as soon as the script ends.
+
     Example:
-        >>> main(["train.py", "--epochs", "1"])  # in a worker started by `accel launch`
+        >>> script_globals = main(["train.py", "--epochs", "1"])  # in a launched worker
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -73,12 +81,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             if len(args) < 2:
                 raise SystemExit("accel.launch.worker: -m needs a module name")
             sys.argv = [args[1], *args[2:]]
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+            return runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         else:
             filename = os.path.abspath(args[0])
             sys.argv = [args[0], *args[1:]]
             sys.path[0] = os.path.dirname(filename)  # as `python script.py` does
-            runpy.run_path(filename, run_name="__main__")
+            return runpy.run_path(filename, run_name="__main__")
     except SystemExit:
         raise
     except BaseException as error:  # report everything, including KeyboardInterrupt
@@ -91,4 +99,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    _script_globals = main()
