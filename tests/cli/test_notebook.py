@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -109,3 +110,39 @@ def test_refuses_inside_a_launched_worker(monkeypatch: pytest.MonkeyPatch) -> No
 def test_invalid_arguments(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         notebook_launcher(print, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_notebook_launcher_in_a_jupyter_kernel(tmp_path: Path) -> None:
+    """Skipped unless jupyter_client and ipykernel are installed (they are not dependencies)."""
+    manager = pytest.importorskip("jupyter_client.manager")
+    pytest.importorskip("ipykernel")
+    kernel, client = manager.start_new_kernel(kernel_name="python3", env=clean_env(tmp_path),
+                                              cwd=str(tmp_path))
+    output: list[str] = []
+
+    def hook(message: dict[str, Any]) -> None:
+        if message["msg_type"] == "stream":
+            output.append(message["content"]["text"])
+        elif message["msg_type"] == "error":
+            output.append(f"ERROR {message['content']['ename']}: {message['content']['evalue']}")
+
+    cells = [
+        "import torch, accel\n"
+        "from accel.launch import notebook_launcher\n"
+        "def training_loop(scale):\n"
+        "    with accel.distributed() as st:\n"
+        "        return accel.gather(torch.tensor([st.rank * scale])).tolist()\n",
+        "print('FIRST', notebook_launcher(training_loop, (5,), num_processes=2))",
+        "print('AGAIN', notebook_launcher(training_loop, (7,), num_processes=2))",
+    ]
+    try:
+        statuses = [client.execute_interactive(cell, timeout=120, output_hook=hook)["content"][
+            "status"] for cell in cells]
+    finally:
+        client.stop_channels()
+        kernel.shutdown_kernel(now=True)
+    text = "".join(output)
+    assert statuses == ["ok", "ok", "ok"], text
+    assert "FIRST [[0, 5], [0, 5]]" in text
+    assert "AGAIN [[0, 7], [0, 7]]" in text  # a second launch from the same kernel works
