@@ -6,9 +6,9 @@ process per GPU on a GPU machine):
     python examples/notebook_launcher.py --num-processes 2
 
 In Jupyter, paste ``training_loop`` into a cell and call
-``notebook_launcher(training_loop, (args,), num_processes=2)`` in the next one. Keep every CUDA
-call inside the function: the launcher forks, and refuses when the notebook already
-initialised CUDA. Lines that differ from the quicktour are marked ``# accel:``.
+``accel.notebook_launcher(training_loop, (args,), num_processes=2)`` in the next one. Keep
+every CUDA call inside the function: the launcher forks, and refuses when the notebook
+already initialised CUDA. Lines that differ from the quicktour are marked ``# accel:``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accel
-from accel.launch import notebook_launcher  # accel: also `accel.notebook_launcher`
 
 
 def make_data(n: int, features: int, classes: int) -> TensorDataset:
@@ -77,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
 
     # accel: one call starts the processes; each returns its accuracy (the same on every rank)
-    accuracies = notebook_launcher(
+    accuracies = accel.notebook_launcher(
         training_loop, (args,), num_processes=args.num_processes,
         mixed_precision=args.mixed_precision,
     )
