@@ -241,8 +241,8 @@ def notebook_launcher(
     if num_processes is None:
         import torch
 
-        num_processes = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        num_processes = num_processes or 2
+        # device_count() asks NVML first, which (unlike is_available()) leaves fork usable
+        num_processes = torch.cuda.device_count() or 2
     _count("num_processes", num_processes, 1)
     return _launch(function, args, nproc=num_processes, num_nodes=num_nodes,
                    node_rank=node_rank, master_addr=master_addr, master_port=master_port,
