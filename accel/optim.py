@@ -67,6 +67,11 @@ class PreparedOptimizer(torch.optim.Optimizer):
     ``state``, ``param_groups``, ``defaults``, ``state_dict()``, ``load_state_dict()`` and
     ``add_param_group()`` act on the user's optimizer (:attr:`optimizer`); other attributes
     are looked up there too. Made by :func:`prepare_optimizer`.
+
+    Example:
+        >>> optimizer = accel.prepare_optimizer(torch.optim.AdamW(model.parameters()))
+        >>> isinstance(optimizer, torch.optim.Optimizer), optimizer.optimizer
+        (True, AdamW (...))
     """
 
     def __init__(self, optimizer: Any, scaler: torch.amp.GradScaler | None) -> None:
@@ -439,6 +444,11 @@ class PreparedScheduler(LRScheduler):
 
     ``state_dict()``, ``load_state_dict()``, ``get_last_lr()`` and other attributes act on
     the user's scheduler (:attr:`scheduler`). Made by :func:`prepare_scheduler`.
+
+    Example:
+        >>> scheduler = accel.prepare_scheduler(torch.optim.lr_scheduler.StepLR(opt, 10))
+        >>> scheduler.get_last_lr() == scheduler.scheduler.get_last_lr()
+        True
     """
 
     def __init__(

@@ -131,6 +131,12 @@ class AutocastForward:
     a ``torch.compile`` region (``prepare_model(compile=True)``) the policy and device type
     captured at prepare time are used instead: reading the state's ContextVar there would
     break the graph.
+
+    Example:
+        >>> with accel.distributed(mixed_precision="bf16"):
+        ...     net = accel.prepare_model(nn.Linear(2, 2))
+        ...     type(net.__dict__["forward"]).__name__
+        'AutocastForward'
     """
 
     __slots__ = ("__wrapped__", "device_type", "dtype", "instance_attribute", "original")
