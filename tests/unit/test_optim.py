@@ -389,3 +389,35 @@ def test_nested_full_precision_block_trains_without_loss_scaling() -> None:
         torch.testing.assert_close(model.weight, before - 0.5)
         _backward_with_grad(model, 0.5)  # back under fp16: scaled again
         torch.testing.assert_close(model.weight.grad, torch.full_like(before, 0.5 * 65536))
+
+
+class _DuckOptimizer:
+    """Not a torch Optimizer (no step hooks): skipped steps are told by the scale."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.param_groups = [{"params": params}]
+        self.state: dict[Any, Any] = {}
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def zero_grad(self) -> None:
+        for p in self.param_groups[0]["params"]:
+            p.grad = None
+
+
+def test_fp16_skip_detection_without_step_hooks() -> None:
+    weight = torch.ones(3, requires_grad=True)
+    with fake(mixed_precision="fp16"):
+        duck = _DuckOptimizer([weight])
+        optimizer = accel.prepare_optimizer(duck)
+        assert optimizer._hook is None
+        accel.backward(weight.sum())
+        optimizer.step()
+        assert not accel.optimizer_step_was_skipped(optimizer)
+        optimizer.zero_grad()
+        accel.backward(weight.sum() * float("inf"))
+        optimizer.step()
+        assert accel.optimizer_step_was_skipped(duck)
+        assert duck.steps == 1
