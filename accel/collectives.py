@@ -97,6 +97,7 @@ def _require_tensors(op: str, data: Any, hint: str) -> None:
 
 
 def _all_gather(world_size: int, tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()  # gathered values carry no autograd history
     if tensor.ndim == 0:
         tensor = tensor.reshape(1)
     tensor = tensor.contiguous()

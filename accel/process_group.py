@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -194,7 +195,40 @@ def distributed(
             yield current
     finally:
         if created and dist.is_initialized():
-            dist.destroy_process_group()
+            _teardown()
+
+
+def _teardown() -> None:
+    """Destroy the group this block created, once every rank has reached the end.
+
+    Without the barrier a rank that finishes first closes its connections while a peer's
+    last collective is still completing in gloo's background threads, which can abort the
+    peer at exit ("terminate called without an active exception").
+    """
+    try:
+        dist.barrier()
+    except RuntimeError:  # a peer already failed: nothing left to synchronise with
+        pass
+    _release_ddp_reducers()
+    dist.destroy_process_group()
+
+
+def _release_ddp_reducers() -> None:
+    """Free the gradient reducers of live DDP modules before their group goes away.
+
+    A DDP module that outlives its process group (a model still referenced when the
+    ``with`` block ends) otherwise destroys its reducer at interpreter exit, which aborts
+    the process now and then (seen with torch 2.13 + gloo: SIGABRT, "terminate called without
+    an active exception"; deleting the reducer first avoids it). The module cannot train
+    after its group is destroyed anyway. One scan of live objects, once per job.
+    """
+    ddp_type = torch.nn.parallel.DistributedDataParallel
+    for obj in gc.get_objects():
+        if isinstance(obj, ddp_type):
+            for name in ("reducer", "logger"):
+                if name in obj.__dict__:
+                    delattr(obj, name)
+    gc.collect()
 
 
 def _seed(seed: int) -> None:

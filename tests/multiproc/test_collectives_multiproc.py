@@ -22,6 +22,8 @@ def _collectives_body() -> dict[str, Any]:
     out["gather_a"] = gathered["a"].tolist()
     out["gather_scalar"] = gathered["b"][0].tolist()
     out["gather_object"] = accel.gather_object({"rank": r})
+    weight = torch.ones(2, requires_grad=True)
+    out["gather_grad"] = accel.gather(weight * r).tolist()  # an output of the forward pass
     source = torch.tensor([float(r + 1)])
     out["sum"] = accel.reduce(source).item()
     out["mean"] = accel.reduce(source, "mean").item()
@@ -59,6 +61,7 @@ def test_every_collective(world_size: int) -> None:
         assert out["gather_a"] == [x for k in range(n) for x in (k, k)]
         assert out["gather_scalar"] == [float(k) for k in range(n)]
         assert out["gather_object"] == [{"rank": k} for k in range(n)]
+        assert out["gather_grad"] == [float(k) for k in range(n) for _ in range(2)]
         assert out["sum"] == n * (n + 1) / 2
         assert out["mean"] == (n + 1) / 2
         assert (out["max"], out["min"]) == (n, 10.0)
