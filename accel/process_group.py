@@ -147,7 +147,7 @@ def distributed(
             yield inner
         return
 
-    env = read_launch_env()
+    env = _with_config_file(read_launch_env())
     use_cpu = cpu or bool(env.cpu)
     created = False
     if dist.is_available() and dist.is_initialized():
@@ -196,6 +196,25 @@ def distributed(
     finally:
         if created and dist.is_initialized():
             _teardown()
+
+
+_CONFIG_KEYS = (
+    "mixed_precision", "gradient_accumulation_steps", "strategy", "backend", "cpu", "debug",
+    "timeout",
+)
+
+
+def _with_config_file(env: LaunchEnv) -> LaunchEnv:
+    """Fill the options the environment leaves unset from the config file (env wins)."""
+    from accel.launch.config import load_config
+
+    config = load_config(env.config_file)
+    missing: dict[str, Any] = {
+        key: config[key]
+        for key in _CONFIG_KEYS
+        if key in config and getattr(env, key) is None
+    }
+    return attrs.evolve(env, **missing) if missing else env
 
 
 def _teardown() -> None:

@@ -117,7 +117,7 @@ def main() -> None:
                              "save_gb_s": round(nbytes / 1e9 / raw_save_s, 3),
                              "save_peak_rss_growth_mb": round(raw_peak / 1e6, 1)}
 
-    del tensors
+    tensors = {}  # drop the references: only the model and optimizer hold memory now
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     with accel.distributed():
         save_s, save_peak = _timed(lambda: accel.save_state(root / "ckpt", step=1, model=model,

@@ -16,7 +16,9 @@ from accel.testing import run_distributed
 def _collectives_body() -> dict[str, Any]:
     st = accel.state()
     r, n = st.rank, st.world_size
-    out: dict[str, Any] = {"backend": st.backend, "device": str(st.device), "use": st.use_distributed}
+    out: dict[str, Any] = {
+        "backend": st.backend, "device": str(st.device), "use": st.use_distributed
+    }
     nested = {"a": torch.tensor([r, r]), "b": [torch.tensor(float(r))]}
     gathered = accel.gather(nested)
     out["gather_a"] = gathered["a"].tolist()

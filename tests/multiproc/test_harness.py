@@ -81,7 +81,7 @@ def test_hung_run_is_killed_at_the_timeout() -> None:
 
 
 def test_a_rank_that_dies_silently_is_named() -> None:
-    with pytest.raises(accel.RemoteError, match="Rank 0 of 2 raised ProcessExit.*exit code 3"):
+    with pytest.raises(accel.RemoteError, match=r"Rank 0 of 2 raised ProcessExit.*exit code 3"):
         run_distributed(_exit_silently, world_size=2, timeout=30)
 
 

@@ -2,14 +2,15 @@ from __future__ import annotations
 
 import contextvars
 import threading
+from pathlib import Path
 
 import attrs
 import pytest
 import torch
 
 import accel
-from accel._state import ProcessState, resolve_policy
 from accel._env import LaunchEnv
+from accel._state import ProcessState, resolve_policy
 from accel.errors import AccelError, ConfigError
 from accel.testing import fake_state
 
@@ -111,3 +112,16 @@ def test_state_does_not_leak_into_new_threads_but_copy_context_carries_it() -> N
         copied.start()
         copied.join()
     assert seen == {"plain": 0, "copied": 1}
+
+
+def test_config_file_fills_what_the_environment_leaves_unset(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('mixed_precision = "bf16"\ngradient_accumulation_steps = 3\n')
+    monkeypatch.setenv("ACCEL_CONFIG_FILE", str(config))
+    with accel.distributed() as st:
+        assert (st.mixed_precision, st.gradient_accumulation_steps) == ("bf16", 3)
+    monkeypatch.setenv("ACCEL_MIXED_PRECISION", "fp16")  # environment beats the file
+    with accel.distributed(gradient_accumulation_steps=5) as st:  # argument beats both
+        assert (st.mixed_precision, st.gradient_accumulation_steps) == ("fp16", 5)
