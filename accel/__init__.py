@@ -170,7 +170,12 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.uneven import join_uneven_inputs as join_uneven_inputs
 
 
+_SUBMODULES = ("testing", "checkpoint", "launch", "trackers")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:  # `accel.testing.run_distributed` after a plain `import accel`
+        return importlib.import_module(f"accel.{name}")
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module 'accel' has no attribute {name!r}")
@@ -180,4 +185,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

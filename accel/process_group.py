@@ -243,7 +243,7 @@ def _release_ddp_reducers() -> None:
     """
     ddp_type = torch.nn.parallel.DistributedDataParallel
     for obj in gc.get_objects():
-        if isinstance(obj, ddp_type):
+        if issubclass(type(obj), ddp_type):  # type(), not isinstance: no __class__ lookups
             for name in ("reducer", "logger"):
                 if name in obj.__dict__:
                     delattr(obj, name)
