@@ -68,9 +68,18 @@ def run_accel(
 
 
 def results(output: str) -> list[dict[str, Any]]:
-    """The RESULT lines of the training script, by rank."""
-    found = [json.loads(line.split("RESULT ", 1)[1]) for line in output.splitlines()
-             if line.startswith("RESULT ")]
+    """The RESULT records of the training script, by rank.
+
+    Ranks share one output pipe, so two records may land on one line: each is decoded from
+    where its marker starts, up to the end of its JSON object.
+    """
+    decoder = json.JSONDecoder()
+    found = []
+    start = output.find("RESULT ")
+    while start != -1:
+        record, end = decoder.raw_decode(output, start + len("RESULT "))
+        found.append(record)
+        start = output.find("RESULT ", end)
     return sorted(found, key=lambda r: int(r["rank"]))
 
 
