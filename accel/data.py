@@ -33,6 +33,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from accel._dispatch import concat_rounds, dispatch_rounds
 from accel._epochs import WorkerSeeds, seeded_copy, stream_reseeder, worker_seeds
+from accel._resume import rederive_position
 from accel._sharding import (
     FinalRound,
     ShardedBatchSampler,
@@ -213,12 +214,20 @@ class PreparedDataLoader(DataLoader[Any]):
     def state_dict(self) -> dict[str, int]:
         """The exact position: epoch and batches of it already yielded on this rank.
 
+        The world size and batch splitting are recorded too, so a position saved by one
+        number of processes can be re-derived for another (see :meth:`load_state_dict`).
+
         Example:
             >>> loader.state_dict()
-            {'epoch': 1, 'batches_yielded': 3}
+            {'epoch': 1, 'batches_yielded': 3, 'world_size': 2, 'split_batches': 0}
         """
         cursor = self._cursor
-        return {"epoch": cursor.epoch, "batches_yielded": cursor.yielded}
+        return {
+            "epoch": cursor.epoch,
+            "batches_yielded": cursor.yielded,
+            "world_size": self._plan.world_size,
+            "split_batches": int(self._plan.split_batches),
+        }
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Resume at a position from :meth:`state_dict`: the next iteration continues it.
@@ -241,8 +250,17 @@ class PreparedDataLoader(DataLoader[Any]):
                     f"got {state_dict!r}. Pass what `loader.state_dict()` returned."
                 )
             values.append(value)
+        epoch, yielded = values
+        saved_world = state_dict.get("world_size", self._plan.world_size)
+        saved_split = bool(state_dict.get("split_batches", self._plan.split_batches))
+        if saved_world != self._plan.world_size or saved_split != self._plan.split_batches:
+            yielded = rederive_position(
+                yielded,
+                saved=(int(saved_world), saved_split),
+                now=(self._plan.world_size, self._plan.split_batches),
+            )
         cursor = self._cursor
-        cursor.epoch, cursor.yielded, cursor.pending = values[0], values[1], True
+        cursor.epoch, cursor.yielded, cursor.pending = epoch, yielded, True
 
     def _begin(self) -> tuple[int, int]:
         cursor = self._cursor

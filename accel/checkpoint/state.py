@@ -222,6 +222,7 @@ def save_state(
                 "objects": sorted(objects),
                 "created": datetime.now(timezone.utc).isoformat(),
                 "torch": torch.__version__,
+                "accel": _accel_version(),
                 "files": [
                     {"name": n, "size": s, "crc32": c, "rank": r}
                     for r, _, recs in reports
@@ -243,6 +244,12 @@ def save_state(
             f"Errors: {'; '.join(outcome)}"
         )
     return final
+
+
+def _accel_version() -> str:
+    from accel import __version__
+
+    return __version__
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:

@@ -55,6 +55,10 @@ class Stream(IterableDataset[int]):
         return self.n
 
 
+
+def _position(state: dict[str, int]) -> dict[str, int]:
+    return {"epoch": state["epoch"], "batches_yielded": state["batches_yielded"]}
+
 def fake(rank: int, world: int, **fields: Any) -> Any:
     return set_state(ProcessState(rank=rank, world_size=world, seed=7, **fields), Scope())
 
@@ -157,7 +161,7 @@ def test_empty_loader() -> None:
         assert lists(loader) == []
         assert len(loader) == 0
         assert scope().active_loaders == []
-        assert loader.state_dict() == {"epoch": 1, "batches_yielded": 0}
+        assert _position(loader.state_dict()) == {"epoch": 1, "batches_yielded": 0}
 
 
 def test_shuffle_same_on_every_rank_and_new_each_epoch() -> None:
@@ -224,7 +228,7 @@ def test_resume_mid_epoch_skips_without_loading(shuffle: bool) -> None:
         lists(first)
         assert run_until(first, 3) == whole[1][:3]
         position = first.state_dict()
-        assert position == {"epoch": 1, "batches_yielded": 3}
+        assert _position(position) == {"epoch": 1, "batches_yielded": 3}
         data.loaded = 0
         resumed = prepare_data_loader(DataLoader(data, batch_size=2, shuffle=shuffle))
         resumed.load_state_dict(position)
@@ -232,7 +236,7 @@ def test_resume_mid_epoch_skips_without_loading(shuffle: bool) -> None:
         resumed.set_epoch(1)  # the usual per-epoch call keeps the restored position
         assert lists(resumed) == whole[1][3:]
         assert data.loaded == 2 * len(whole[1][3:])  # skipped batches were never loaded
-        assert resumed.state_dict() == {"epoch": 2, "batches_yielded": 0}
+        assert _position(resumed.state_dict()) == {"epoch": 2, "batches_yielded": 0}
 
 
 def test_resume_across_epoch_boundary() -> None:
@@ -241,7 +245,7 @@ def test_resume_across_epoch_boundary() -> None:
         epoch0 = lists(loader)
         position = loader.state_dict()
         epoch1 = lists(loader)
-        assert position == {"epoch": 1, "batches_yielded": 0}
+        assert _position(position) == {"epoch": 1, "batches_yielded": 0}
         resumed = prepare_data_loader(DataLoader(range(12), batch_size=2, shuffle=True))
         resumed.load_state_dict(position)
         assert lists(resumed) == epoch1 != epoch0
@@ -253,7 +257,7 @@ def test_break_then_new_iteration_is_next_epoch() -> None:
         reference = prepare_data_loader(DataLoader(range(12), batch_size=2, shuffle=True))
         epochs = [lists(reference), lists(reference)]
         assert run_until(loader, 2) == epochs[0][:2]
-        assert loader.state_dict() == {"epoch": 0, "batches_yielded": 2}
+        assert _position(loader.state_dict()) == {"epoch": 0, "batches_yielded": 2}
         assert lists(loader) == epochs[1]
 
 
@@ -531,3 +535,22 @@ def test_iterable_dataset_generator_reseeded_per_epoch(monkeypatch: pytest.Monke
         rounds = zip(per_rank[0][epoch], per_rank[1][epoch], strict=True)
         assert sorted(i for r in rounds for batch in r for i in batch) == list(range(12))
     assert per_rank[0][0] != per_rank[0][1]
+
+
+def test_position_is_rederived_for_another_world_size() -> None:
+    with fake(0, 2):
+        loader = prepare_data_loader(DataLoader(range(48), batch_size=2))
+        run_until(loader, 3)
+        position = loader.state_dict()  # 3 batches on each of 2 ranks: global batches 0..5
+    assert position["world_size"] == 2
+    for rank in range(3):
+        with fake(rank, 3):
+            moved = prepare_data_loader(DataLoader(range(48), batch_size=2))
+            moved.load_state_dict(position)
+            assert _position(moved.state_dict()) == {"epoch": 0, "batches_yielded": 2}
+            first = lists(moved)[0]
+            assert first == [12 + 2 * rank, 13 + 2 * rank]  # global batch 6 + rank
+    with fake(0, 4):
+        odd = prepare_data_loader(DataLoader(range(48), batch_size=2))
+        with pytest.raises(CheckpointError, match="not a multiple of 4"):
+            odd.load_state_dict(position)
