@@ -26,4 +26,4 @@ def test_distributed_under_torchrun() -> None:
     info = json.loads(line)
     assert info == {"world": 2, "created": True, "total": 3.0, "gathered": [0, 1],
                     "backend": "gloo", "local_world": 2}
-    assert proc.stdout.count("INITIALISED_AFTER False") == 2
+    assert proc.stdout.count("INITIALISED_AFTER=False") == 2

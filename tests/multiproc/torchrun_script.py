@@ -13,9 +13,9 @@ with accel.distributed(gradient_accumulation_steps=2) as st:
     total = accel.reduce(torch.tensor([float(st.rank + 1)])).item()
     gathered = accel.gather_object(st.rank)
     if st.is_main_process:
-        print(json.dumps({
+        sys.stdout.write(json.dumps({
             "world": st.world_size, "created": created, "total": total, "gathered": gathered,
             "backend": st.backend, "local_world": st.local_world_size,
-        }))
+        }) + "\n")  # one write: the ranks share the pipe, unbuffered under torchrun
         sys.stdout.flush()
-print("INITIALISED_AFTER", dist.is_initialized())
+sys.stdout.write(f"INITIALISED_AFTER={dist.is_initialized()}\n")  # one write: ranks share the pipe
