@@ -364,12 +364,18 @@ def is_peer_loss(traceback_text: str) -> bool:
 
 
 def _first_failure(error: ChildFailedError) -> tuple[int, Any]:
-    """The root-cause rank: a real error before a lost peer, then the earliest failure."""
-    def order(item: tuple[int, Any]) -> tuple[bool, float]:
+    """The root-cause rank: a real error before a lost peer or a rank the launcher stopped.
+
+    Ranks the elastic agent terminates after the first failure (SIGTERM, no traceback) can
+    carry the same or an earlier timestamp than the rank that raised, so they rank last.
+    """
+    def order(item: tuple[int, Any]) -> tuple[bool, bool, float]:
         failure = item[1]
         trace = _traceback_of(failure.message) or ""
         precise = _precise_time(failure.message)
-        return is_peer_loss(trace), float(failure.timestamp) if precise is None else precise
+        stopped = not trace and failure.exitcode == -signal.SIGTERM
+        when = float(failure.timestamp) if precise is None else precise
+        return is_peer_loss(trace), stopped, when
 
     return min(error.failures.items(), key=order)
 

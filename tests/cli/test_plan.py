@@ -148,6 +148,18 @@ def test_failure_report_names_the_root_cause(tmp_path: Path) -> None:
     assert "Connection reset" not in text.split("traceback of rank 1", 1)[1]
 
 
+def test_a_rank_the_launcher_stopped_is_not_the_root_cause(tmp_path: Path) -> None:
+    real = 'Traceback (most recent call last):\n  File "t.py", line 3\nValueError: boom\n'
+    failures: dict[int, Any] = {
+        0: _failure(tmp_path, 0, -15, None, 99.0),  # SIGTERM from the agent, same second
+        1: _failure(tmp_path, 1, 1, real, 100.0),
+    }
+    failures[0].timestamp = 99  # torch stamps a signal death with whole seconds: earlier
+    text, code = describe_failure(ChildFailedError("t.py", failures), "t.py")
+    assert code == 1
+    assert "traceback of rank 1" in text and "ValueError: boom" in text
+
+
 def test_failure_report_for_a_killed_rank(tmp_path: Path) -> None:
     failures: dict[int, Any] = {1: _failure(tmp_path, 1, -9, None, 5.0)}
     text, code = describe_failure(ChildFailedError("t.py", failures), "t.py")
