@@ -18,8 +18,9 @@ from accel._state import state
 from accel.checkpoint._atomic import write_file_atomically
 from accel.checkpoint._format import fsync_dir, write_bytes, write_safetensors
 from accel.errors import CheckpointError
+from accel.model import unwrap_model
 
-__all__ = ["get_state_dict", "load_checkpoint_in_model", "save", "save_model", "unwrap"]
+__all__ = ["get_state_dict", "load_checkpoint_in_model", "save", "save_model"]
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -32,20 +33,13 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP / FSDP / ``torch.compile`` wrappers."""
-    from accel.model import unwrap_model
-
-    return unwrap_model(model)
-
-
 def get_state_dict(model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
     """The model's full state dict, with the unwrapped module's keys (no ``module.`` prefix).
 
     Example:
         >>> sd = accel.get_state_dict(model)   # a DDP model gives the bare module's keys
     """
-    target = globals()["unwrap"](model) if unwrap else model
+    target = unwrap_model(model) if unwrap else model
     return {k: v.detach() for k, v in target.state_dict().items()}
 
 
@@ -257,7 +251,7 @@ def load_checkpoint_in_model(
     Example:
         >>> accel.load_checkpoint_in_model(model, "out")   # the folder save_model wrote
     """
-    target = unwrap(model)
+    target = unwrap_model(model)
     own = target.state_dict()
     missing = set(own)
     unexpected: list[str] = []

@@ -8,7 +8,6 @@ and every CUDA device's generator. States become a JSON structure plus tensors (
 from __future__ import annotations
 
 import random
-import sys
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ def get_rng_state() -> dict[str, Any]:
                    "gauss": gauss},
         "torch": torch.get_rng_state(),
     }
-    if "numpy" in sys.modules or _numpy_available():
+    if _numpy_available():
         import numpy as np
 
         kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)

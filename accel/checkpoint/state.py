@@ -39,6 +39,7 @@ from accel.checkpoint._format import FileRecord, read_safetensors, write_bytes, 
 from accel.checkpoint.rng import get_rng_state, set_rng_state
 from accel.collectives import begin, broadcast_object, gather_object
 from accel.errors import CheckpointError
+from accel.model import unwrap_model
 
 __all__ = ["CheckpointInfo", "latest_checkpoint", "load_state", "save_state"]
 
@@ -62,11 +63,7 @@ class CheckpointInfo:
 
 
 def _unwrap(obj: Any) -> Any:
-    if isinstance(obj, nn.Module):
-        from accel.checkpoint.model_io import unwrap
-
-        return unwrap(obj)
-    return obj
+    return unwrap_model(obj) if isinstance(obj, nn.Module) else obj
 
 
 def _check_objects(objects: dict[str, Any], op: str) -> None:
