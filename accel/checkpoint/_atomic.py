@@ -1,19 +1,55 @@
-"""Crash-safe placement of files and directories: write aside, fsync, rename into place."""
+"""Crash-safe placement of files and directories: write aside, fsync, swap into place.
+
+The rules every writer in :mod:`accel.checkpoint` follows:
+
+* A new file or directory is built under a hidden temporary sibling
+  (``.NAME.tmp-<hex>``) and moved into place by a rename when complete.
+* An existing directory is replaced with no instant at which neither the old nor the new one
+  exists under its name: ``renameat2(RENAME_EXCHANGE)`` swaps them in one step where the
+  platform has it (Linux >= 3.15); elsewhere the old one is renamed aside to ``.NAME.old-<hex>``
+  first, and :func:`recover` puts it back if the process died before the new one arrived.
+* Leftovers of killed writers (``.NAME.tmp-*``, ``.NAME.old-*``, ``.NAME.trash-*``) are removed
+  only by a writer holding the :func:`writer_lock` of that place, so two writers never delete
+  each other's work.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import shutil
+import socket
+import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
 from accel.checkpoint._format import fsync_dir
+from accel.errors import CheckpointError
 
-__all__ = ["replace_dir", "remove_dir", "write_file_atomically"]
+__all__ = [
+    "exchange",
+    "leftovers",
+    "recover",
+    "remove_dir",
+    "replace_dir",
+    "temp_sibling",
+    "write_file_atomically",
+    "writer_lock",
+]
 
 T = TypeVar("T")
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_KINDS = ("tmp", "old", "trash")
+
+
+def temp_sibling(path: Path, kind: str = "tmp") -> Path:
+    """A fresh hidden sibling name of ``path`` for a writer's scratch copy."""
+    return path.with_name(f".{path.name}.{kind}-{uuid.uuid4().hex[:12]}")
 
 
 def write_file_atomically(path: Path, write: Callable[[Path], T]) -> T:
@@ -22,7 +58,7 @@ def write_file_atomically(path: Path, write: Callable[[Path], T]) -> T:
     A crash at any point leaves either the old file or the new one, never a partial file.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:12]}")
+    tmp = temp_sibling(path)
     try:
         result = write(tmp)
         os.replace(tmp, path)
@@ -33,25 +69,123 @@ def write_file_atomically(path: Path, write: Callable[[Path], T]) -> T:
     return result
 
 
+def _renameat2() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        function: Callable[..., int] = libc.renameat2
+    except (OSError, AttributeError):  # glibc < 2.28, musl without the wrapper
+        return None
+    return function
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step; ``False`` where the platform cannot."""
+    function = _renameat2()
+    if function is None:
+        return False
+    result = function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (38, 22, 95):  # ENOSYS, EINVAL (flag or filesystem), EOPNOTSUPP
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
+
+
 def remove_dir(path: Path) -> None:
     """Delete a directory so that no half-deleted copy is ever seen under its name."""
-    if not path.exists():
+    if not os.path.lexists(path):
         return
-    trash = path.with_name(f".{path.name}.trash-{uuid.uuid4().hex[:12]}")
+    trash = temp_sibling(path, "trash")
     os.replace(path, trash)
     fsync_dir(path.parent)
     shutil.rmtree(trash, ignore_errors=True)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Move the complete directory ``tmp`` to ``final``, replacing an older ``final``."""
+    """Move the complete directory ``tmp`` to ``final``, replacing an older ``final``.
+
+    At every instant ``final`` names either the old directory or the new one, where the
+    platform can swap atomically; elsewhere the old one waits at ``.NAME.old-*`` (found by
+    :func:`recover` and by loaders) until the new one is in place.
+    """
     fsync_dir(tmp)
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:12]}")
-        os.replace(final, old)
+    if not os.path.lexists(final):
         os.replace(tmp, final)
         fsync_dir(final.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+        return
+    if exchange(tmp, final):
         fsync_dir(final.parent)
+        remove_dir(tmp)  # it now holds the old directory
+        return
+    old = temp_sibling(final, "old")
+    os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    remove_dir(old)
+
+
+def leftovers(final: Path, kind: str) -> list[Path]:
+    """Hidden scratch siblings of ``final`` of one kind (``tmp``, ``old`` or ``trash``)."""
+    if kind not in _KINDS:
+        raise ValueError(kind)
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.{kind}-[0-9a-f]+$")
+    try:
+        names = os.listdir(final.parent)
+    except OSError:
+        return []
+    return sorted(final.parent / n for n in names if pattern.match(n))
+
+
+def recover(final: Path, is_complete: Callable[[Path], bool]) -> None:
+    """Repair what a killed writer left around ``final``; call only under its writer lock.
+
+    If ``final`` is missing but a complete old copy waits aside (a writer died between
+    the two renames of the fallback replace), that copy is put back. Then every scratch
+    sibling is removed: none belongs to a live writer while the lock is held.
+    """
+    if not os.path.lexists(final):
+        for old in reversed(leftovers(final, "old")):
+            if is_complete(old):
+                os.replace(old, final)
+                fsync_dir(final.parent)
+                break
+    for kind in _KINDS:
+        for path in leftovers(final, kind):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+@contextmanager
+def writer_lock(path: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``path`` (created if needed) for one writer.
+
+    Raises:
+        CheckpointError: another process holds it (two jobs writing to one place).
+    """
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks through this route
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            raise CheckpointError(
+                f"Another writer is saving to {what} right now (lock {os.fspath(path)!r} held "
+                f"by {holder}). Two jobs must not write to one checkpoint location: give each "
+                "its own directory, or wait until the other save finishes."
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock

@@ -79,7 +79,13 @@ def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         if tag == _DICT:
             return {k: decode(v, tensors) for k, v in inner}
         if tag == _DTYPE:
-            return getattr(torch, inner)
+            dtype = getattr(torch, inner, None) if isinstance(inner, str) else None
+            if not isinstance(dtype, torch.dtype):
+                raise CheckpointError(
+                    f"The checkpoint names the dtype {inner!r:.60}, which is not a torch dtype: "
+                    "the checkpoint is corrupted or crafted. Load an earlier one."
+                )
+            return dtype
         if tag == _FLOAT:
             return float(inner)
     return {k: decode(v, tensors) for k, v in value.items()}

@@ -156,6 +156,33 @@ def _corrupt(path: str | os.PathLike[str], what: str) -> CheckpointError:
     )
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_entry(path: str | os.PathLike[str], name: str, info: object) -> None:
+    """One header entry: a known dtype, a shape of counts, offsets spanning exactly it."""
+    if not isinstance(info, dict):
+        raise _corrupt(path, f"the header entry of tensor {name!r} is {info!r:.80}")
+    dtype = _NAMES.get(info.get("dtype"))  # type: ignore[arg-type]
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if dtype is None:
+        raise _corrupt(path, f"tensor {name!r} has the unknown dtype {info.get('dtype')!r:.40}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise _corrupt(path, f"tensor {name!r} has the invalid shape {shape!r:.80}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise _corrupt(path, f"tensor {name!r} has invalid data offsets {offsets!r:.80}")
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if offsets[1] - offsets[0] != numel * dtype.itemsize:
+        raise _corrupt(
+            path,
+            f"tensor {name!r} of shape {shape} and dtype {info['dtype']} needs "
+            f"{numel * dtype.itemsize} bytes, its offsets span {offsets[1] - offsets[0]}",
+        )
+
+
 def read_safetensors(
     path: str | os.PathLike[str], *, expected_crc32: int | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -183,14 +210,17 @@ def read_safetensors(
     if not isinstance(header, dict):
         raise _corrupt(path, "header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise _corrupt(path, "its __metadata__ is not a JSON object")
     base = 8 + header_len
+    for name, info in header.items():
+        _check_entry(path, name, info)
     entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
     position = 0
     for name, info in entries:
         start, end = info["data_offsets"]
-        dtype = _NAMES.get(info["dtype"])
-        if dtype is None or start != position or end < start:
-            raise _corrupt(path, f"bad entry for tensor {name!r}: {info}")
+        if start != position:
+            raise _corrupt(path, f"bad data offsets for tensor {name!r}: {info}")
         position = end
     if base + position != size:
         what = "cut short" if base + position > size else "trailing bytes after the last tensor"
