@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -15,8 +14,9 @@ import torch
 from torch import nn
 
 from accel._state import state
-from accel.checkpoint._atomic import write_file_atomically
-from accel.checkpoint._format import fsync_dir, write_bytes, write_safetensors
+from accel.checkpoint import _model_swap
+from accel.checkpoint._atomic import leftovers, temp_sibling, write_file_atomically
+from accel.checkpoint._format import write_bytes, write_safetensors
 from accel.errors import CheckpointError
 from accel.model import unwrap_model
 
@@ -26,9 +26,6 @@ SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 TORCH_WEIGHTS = "pytorch_model.bin"
 TORCH_INDEX = "pytorch_model.bin.index.json"
-_STALE = re.compile(
-    r"^(model(-\d{5}-of-\d{5})?\.safetensors|pytorch_model(-\d{5}-of-\d{5})?\.bin)$"
-)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -151,8 +148,18 @@ def save_model(
 
     ``model.safetensors``, or shards ``model-0000k-of-0000n.safetensors`` plus
     ``model.safetensors.index.json`` (``pytorch_model*.bin`` with ``safe_serialization=False``).
-    Keys are the unwrapped module's; shards of an earlier save that are no longer part of the
-    model are removed. Only the main process writes.
+    Keys are the unwrapped module's. Only the main process writes.
+
+    The weight set is replaced as a whole: the new files are written into a hidden sibling
+    directory, the other entries of ``directory`` (``config.json``, tokenizer files,
+    subdirectories such as ``checkpoint_5/``) are carried over, and the two directories swap
+    names in one step. A save killed at any point leaves the old or the new weights, never a
+    mix; the next ``save_model`` finishes or undoes its work. Weight files of an earlier save
+    that are not part of the new set are not carried over.
+
+    Raises:
+        CheckpointError: ``max_shard_size`` is not a size, ``directory`` is a file or a mount
+            point, or another process is saving to it.
 
     Example:
         >>> accel.save_model(model, "out", max_shard_size="200MB")
@@ -163,7 +170,6 @@ def save_model(
     tensors = get_state_dict(model)
     if not state().is_main_process:
         return out
-    out.mkdir(parents=True, exist_ok=True)
     tensors = _dedupe_shared(tensors, "accel.save_model")
     shards = _shards(tensors, limit)
     weights, index_name = (SAFE_WEIGHTS, SAFE_INDEX) if safe_serialization else (
@@ -174,30 +180,120 @@ def save_model(
         if len(shards) == 1
         else [f"{stem}-{i:05d}-of-{len(shards):05d}.{ext}" for i in range(1, len(shards) + 1)]
     )
-    for name, shard in zip(names, shards, strict=True):
-        write = functools.partial(_write_shard, shard, safe_serialization)
-        write_file_atomically(out / name, write)
-    keep = set(names)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-            "weight_map": {k: n for n, shard in zip(names, shards, strict=True) for k in shard},
-        }
-        body = json.dumps(index, indent=2, sort_keys=True).encode()
-        write_file_atomically(out / index_name, lambda tmp: write_bytes(tmp, body))
-        keep.add(index_name)
-    for stale in out.iterdir():
-        is_index = stale.name in (SAFE_INDEX, TORCH_INDEX)
-        if (is_index or _STALE.match(stale.name)) and stale.name not in keep:
-            stale.unlink()
-    fsync_dir(out)
+    target = _swap_target(out)
+    _model_swap.check_target(target, names)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _model_swap.locked(target):
+        _model_swap.recover(target, _is_complete)  # finish a save that was killed
+        _model_swap.check_target(target, names)
+        new = temp_sibling(target)
+        new.mkdir()
+        try:
+            for name, shard in zip(names, shards, strict=True):
+                _write_shard(shard, safe_serialization, new / name)
+            if len(shards) > 1:
+                index = {
+                    "metadata": {
+                        "total_size": sum(t.numel() * t.element_size() for t in tensors.values())
+                    },
+                    "weight_map": {
+                        k: n for n, shard in zip(names, shards, strict=True) for k in shard
+                    },
+                }
+                write_bytes(new / index_name, json.dumps(index, indent=2, sort_keys=True).encode())
+            if target.is_dir():
+                _model_swap.carry(target, new)
+        except BaseException:
+            _model_swap.discard(new, target)  # nothing is in place yet
+            raise
+        _model_swap.install(new, target)
     return out
+
+
+def _swap_target(out: Path) -> Path:
+    """The directory entry to replace: absolute, and a symlink's target, not the link."""
+    target = Path(os.path.abspath(out))
+    if target.is_symlink():
+        target = Path(os.path.realpath(target))
+    if not target.name:
+        raise CheckpointError(
+            f"save_model cannot write into {os.fspath(out)!r}: the new weights are built "
+            "beside the directory and swapped in. Give a directory below the filesystem root."
+        )
+    return target
+
+
+def _plain_file_name(value: object) -> bool:
+    return (
+        isinstance(value, str)
+        and value not in ("", ".", "..")
+        and not any(c in value for c in ("/", "\\", "\0"))
+        and not os.path.isabs(value)
+        and not os.path.splitdrive(value)[0]
+    )
+
+
+def _index_files(index_path: Path) -> list[Path]:
+    """The files an index names, each checked to be a plain file name beside the index."""
+    where = os.fspath(index_path)
+    fix = "Fix the file or write it again with accel.save_model."
+    try:
+        index = json.loads(index_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:  # json.JSONDecodeError is a ValueError
+        raise CheckpointError(f"Index {where!r} is not valid JSON ({exc}). {fix}") from None
+    if not isinstance(index, dict):
+        problem = f"is a JSON {type(index).__name__}, not an object"
+    elif "weight_map" not in index:
+        problem = "has no 'weight_map'"
+    elif not isinstance(index["weight_map"], dict):
+        problem = f"has a 'weight_map' of type {type(index['weight_map']).__name__}"
+    else:
+        problem = ""
+    if problem:
+        raise CheckpointError(
+            f"Index {where!r} {problem}; an index is "
+            '{"metadata": {...}, "weight_map": {"<tensor name>": "<file name>", ...}}. ' + fix
+        )
+    weight_map: dict[str, object] = index["weight_map"]
+    for key, value in weight_map.items():
+        if not _plain_file_name(value):
+            raise CheckpointError(
+                f"Index {where!r} maps {key!r} to {value!r}, which is not a file name in the "
+                "index's directory: weight_map values must be plain file names such as "
+                "'model-00001-of-00002.safetensors' (no '/', '\\', '..' or absolute path). "
+                + fix
+            )
+    return [index_path.parent / str(f) for f in dict.fromkeys(weight_map.values())]
+
+
+def _is_complete(directory: Path) -> bool:
+    """Whether ``directory`` holds a whole weight set (every file its index names)."""
+    try:
+        return all(f.is_file() for f in _checkpoint_files(directory))
+    except (CheckpointError, OSError):
+        return False
+
+
+def _resolve(checkpoint: Path) -> Path:
+    """``checkpoint``, or where its weights wait while a killed ``save_model`` left it missing.
+
+    That happens only on platforms without an atomic directory swap, killed between the two
+    renames: the old directory is put back if this process can take the writer lock, else it
+    is read where it is.
+    """
+    if os.path.lexists(checkpoint) or not checkpoint.name or not leftovers(checkpoint, "old"):
+        return checkpoint
+    try:
+        with _model_swap.locked(checkpoint):
+            _model_swap.restore(checkpoint, _is_complete)
+    except (CheckpointError, OSError):
+        pass  # a writer is at work, or this place is read-only
+    return _model_swap.old_copy(checkpoint, _is_complete) or checkpoint
 
 
 def _checkpoint_files(checkpoint: Path) -> list[Path]:
     if checkpoint.is_file() and checkpoint.name.endswith(".index.json"):
-        index = json.loads(checkpoint.read_text())
-        return [checkpoint.parent / f for f in dict.fromkeys(index["weight_map"].values())]
+        return _index_files(checkpoint)
     if checkpoint.is_file():
         return [checkpoint]
     if checkpoint.is_dir():
@@ -234,28 +330,14 @@ def _iter_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     yield from loaded.items()
 
 
-def load_checkpoint_in_model(
-    model: nn.Module,
-    checkpoint: str | os.PathLike[str],
-    *,
-    device_map: Mapping[str, str | int | torch.device] | None = None,
-    dtype: torch.dtype | None = None,
-    strict: bool = False,
-) -> nn.Module:
-    """Load weights from a file, a folder or an index into ``model``, one file at a time.
-
-    Reads safetensors, or torch ``.bin`` files with ``weights_only=True`` (no code runs).
-    Floating tensors are cast to ``dtype`` when given. ``device_map`` maps submodule names to
-    devices to move them to after loading. With ``strict``, missing or unexpected keys raise.
-
-    Example:
-        >>> accel.load_checkpoint_in_model(model, "out")   # the folder save_model wrote
-    """
-    target = unwrap_model(model)
+def _read_into(
+    target: nn.Module, files: list[Path], dtype: torch.dtype | None
+) -> tuple[set[str], list[str]]:
+    """Load ``files`` into ``target`` one at a time; return the missing and unexpected keys."""
     own = target.state_dict()
     missing = set(own)
     unexpected: list[str] = []
-    for file in _checkpoint_files(Path(checkpoint)):
+    for file in files:
         if not file.is_file():
             raise CheckpointError(
                 f"Weights file {os.fspath(file)!r} named by the index is missing."
@@ -275,6 +357,42 @@ def load_checkpoint_in_model(
         if cast:
             target.load_state_dict(cast, strict=False, assign=True)
         del part, cast
+    return missing, unexpected
+
+
+def load_checkpoint_in_model(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    *,
+    device_map: Mapping[str, str | int | torch.device] | None = None,
+    dtype: torch.dtype | None = None,
+    strict: bool = False,
+) -> nn.Module:
+    """Load weights from a file, a folder or an index into ``model``, one file at a time.
+
+    Reads safetensors, or torch ``.bin`` files with ``weights_only=True`` (no code runs).
+    Floating tensors are cast to ``dtype`` when given. ``device_map`` maps submodule names to
+    devices to move them to after loading. With ``strict``, missing or unexpected keys raise.
+    An index is checked before anything is loaded: its ``weight_map`` must name plain files
+    in the index's directory.
+
+    Raises:
+        CheckpointError: no weights at ``checkpoint``, a malformed index or one naming a path
+            outside its directory, a missing or corrupted file, or (``strict``) a key mismatch.
+
+    Example:
+        >>> accel.load_checkpoint_in_model(model, "out")   # the folder save_model wrote
+    """
+    target = unwrap_model(model)
+    path = Path(checkpoint)
+    source = _resolve(path)
+    try:
+        missing, unexpected = _read_into(target, _checkpoint_files(source), dtype)
+    except (CheckpointError, OSError):
+        if source == path or not os.path.lexists(path):
+            raise
+        # the old copy was put back in place meanwhile (by a save): read it there
+        missing, unexpected = _read_into(target, _checkpoint_files(path), dtype)
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"Checkpoint {os.fspath(checkpoint)!r} does not match the model: missing keys "
