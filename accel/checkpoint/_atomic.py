@@ -22,6 +22,7 @@ import shutil
 import socket
 import sys
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,11 +95,15 @@ def exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
 
 
-def remove_dir(path: Path) -> None:
-    """Delete a directory so that no half-deleted copy is ever seen under its name."""
+def remove_dir(path: Path, *, owner: Path | None = None) -> None:
+    """Delete a directory so that no half-deleted copy is ever seen under its name.
+
+    It is first renamed to a ``trash`` sibling of ``owner`` (default: itself), the name that
+    :func:`recover` of ``owner`` removes if the deletion is cut short.
+    """
     if not os.path.lexists(path):
         return
-    trash = temp_sibling(path, "trash")
+    trash = temp_sibling(owner or path, "trash")
     os.replace(path, trash)
     fsync_dir(path.parent)
     shutil.rmtree(trash, ignore_errors=True)
@@ -118,13 +123,13 @@ def replace_dir(tmp: Path, final: Path) -> None:
         return
     if exchange(tmp, final):
         fsync_dir(final.parent)
-        remove_dir(tmp)  # it now holds the old directory
+        remove_dir(tmp, owner=final)  # it now holds the old directory
         return
     old = temp_sibling(final, "old")
     os.replace(final, old)
     os.replace(tmp, final)
     fsync_dir(final.parent)
-    remove_dir(old)
+    remove_dir(old, owner=final)
 
 
 def leftovers(final: Path, kind: str) -> list[Path]:
@@ -139,12 +144,22 @@ def leftovers(final: Path, kind: str) -> list[Path]:
     return sorted(final.parent / n for n in names if pattern.match(n))
 
 
+def _only_files(path: Path) -> bool:
+    """Whether ``path`` is a directory of plain files, as every checkpoint writer makes."""
+    try:
+        return all(e.is_file(follow_symlinks=False) for e in os.scandir(path))
+    except OSError:
+        return False
+
+
 def recover(final: Path, is_complete: Callable[[Path], bool]) -> None:
     """Repair what a killed writer left around ``final``; call only under its writer lock.
 
     If ``final`` is missing but a complete old copy waits aside (a writer died between
-    the two renames of the fallback replace), that copy is put back. Then every scratch
-    sibling is removed: none belongs to a live writer while the lock is held.
+    the two renames of the fallback replace), that copy is put back. Then the scratch
+    siblings are removed (none belongs to a live writer while the lock is held), except one
+    holding anything but plain files: no checkpoint writer makes those, so it is left alone
+    with a warning rather than deleted.
     """
     if not os.path.lexists(final):
         for old in reversed(leftovers(final, "old")):
@@ -154,10 +169,17 @@ def recover(final: Path, is_complete: Callable[[Path], bool]) -> None:
                 break
     for kind in _KINDS:
         for path in leftovers(final, kind):
-            if path.is_dir() and not path.is_symlink():
+            if path.is_symlink() or not path.is_dir():
+                path.unlink(missing_ok=True)
+            elif _only_files(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
-                path.unlink(missing_ok=True)
+                warnings.warn(
+                    f"{os.fspath(path)!r} looks like a leftover of a killed save but holds "
+                    "directories or links that accel's checkpoints never contain; it is kept. "
+                    "Move what you need out of it, then delete it.",
+                    stacklevel=3,
+                )
 
 
 @contextmanager

@@ -314,7 +314,7 @@ def save_state(
         outcome = broadcast_object(failures)
         if outcome:
             if st.is_main_process:
-                remove_dir(tmp)
+                remove_dir(tmp, owner=final)
             raise CheckpointError(
                 f"save_state({where!r}) failed; the previous checkpoint is intact. "
                 f"Errors: {'; '.join(outcome)}"
