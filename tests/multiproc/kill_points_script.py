@@ -1,17 +1,21 @@
 """Kill ``save_state`` before each of its file-system operations in turn; report what loads.
 
-``python kill_points_script.py ROOT MODE`` with MODE ``step`` (numbered checkpoints with
-``total_limit=2`` in a root that also holds the user's files) or ``fixed`` (one directory
+``python kill_points_script.py ROOT MODE [KILLS]`` with MODE ``step`` (numbered checkpoints
+with ``total_limit=2`` in a root that also holds the user's files) or ``fixed`` (one directory
 replaced by every save). For k = 1, 2, ... a forked child saves new weights and ``os._exit``s
 just before its k-th operation (rename, exchange, mkdir, fsync, unlink, rmtree); the parent then
 loads the root and checks that it gets either the previous checkpoint or the new one, whole.
-Prints one JSON line: the number of kill points and every problem found.
+Then KILLS (default 20) forked children save in a loop and are SIGKILLed at random moments,
+each followed by the same check. Prints one JSON line: the kill points and every problem.
 """
 
 import json
 import os
+import random
 import shutil
+import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -108,6 +112,26 @@ with accel.distributed():
         points += 1
         if got == float(value):
             value += 1  # the new checkpoint became visible: the next save writes another
+    rng, random_kills = random.Random(99), 0
+    for _ in range(int(sys.argv[3]) if len(sys.argv) > 3 else 20):
+        pid = os.fork()
+        if pid == 0:
+            for n in range(value, value + 10_000):  # saves until killed
+                save(n)
+            os._exit(0)
+        time.sleep(rng.uniform(0.005, 0.15))
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        try:
+            got = load()
+        except Exception as exc:
+            problems.append(f"random kill: {type(exc).__name__}: {exc}")
+            break
+        if got < committed:
+            problems.append(f"random kill: went back from {committed} to {got}")
+        if not (root / "train_log.txt").exists():
+            problems.append("random kill: the user's file is gone")
+        committed, value, random_kills = got, int(got) + 1, random_kills + 1
     save(value + 1)  # a clean save repairs and removes every leftover
     left = sorted(p.name for p in root.iterdir()
                   if ".tmp-" in p.name or ".old-" in p.name or ".trash-" in p.name)
@@ -115,4 +139,5 @@ with accel.distributed():
         problems.append(f"leftovers after a clean save: {left}")
     if load() != float(value + 1):
         problems.append("the final clean save did not load")
-print(json.dumps({"points": points, "problems": problems}), flush=True)
+print(json.dumps({"points": points, "random_kills": random_kills, "problems": problems}),
+      flush=True)

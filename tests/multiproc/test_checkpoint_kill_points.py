@@ -1,5 +1,6 @@
-"""Killed before any one of its file-system operations, save_state never leaves the root
-without a loadable checkpoint, never mixes two, and never loses the user's files."""
+"""Killed before any one of its file-system operations, or by SIGKILL at a random moment,
+save_state never leaves the root without a loadable checkpoint, never mixes two, and never
+loses the user's files."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def test_kill_before_every_file_operation_of_save_state(
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["problems"] == []
     assert report["points"] >= 10, report  # every operation of a save was a kill point
+    assert report["random_kills"] == 20, report
     assert (tmp_path / "train_log.txt").read_text() == "the user's file\n"
 
 
