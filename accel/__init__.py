@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from accel.errors import (
     AccelError,
+    CheckpointArgumentError,
     CheckpointError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -96,6 +97,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "AccelError",
+    "CheckpointArgumentError",
     "CheckpointError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",

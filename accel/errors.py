@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "AccelError",
     "CheckpointError",
+    "CheckpointArgumentError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigError",
@@ -54,3 +55,8 @@ class RemoteError(AccelError, RuntimeError):
 
 class CheckpointError(AccelError, ValueError):
     """A checkpoint is missing, incomplete, corrupted or does not match the objects."""
+
+
+class CheckpointArgumentError(CheckpointError, TypeError):
+    """An argument of a checkpoint function is invalid (e.g. ``step=3.0``): a wrong type or
+    value, so it is both a ``ValueError`` and a ``TypeError``."""

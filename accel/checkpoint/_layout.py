@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from accel.checkpoint._atomic import leftovers
-from accel.errors import CheckpointError
+from accel.errors import CheckpointArgumentError, CheckpointError
 
 __all__ = [
     "FORMAT",
@@ -50,7 +50,7 @@ def check_step(step: object) -> int | None:
     except TypeError:
         value = None
     if value is None or value < 0:
-        raise CheckpointError(
+        raise CheckpointArgumentError(
             f"save_state(step={step!r}): step must be an int >= 0 (it names the directory "
             "`checkpoint_<step>` that `latest_checkpoint` orders by), e.g. `step=1200`. "
             "Convert it with `int(...)`, or leave step out to save into the directory itself."
