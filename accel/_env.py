@@ -2,12 +2,30 @@
 
 It turns the variables that torchrun / ``accel launch``, SLURM and Open MPI / MPICH set into a
 frozen :class:`LaunchEnv`. Nothing here writes to the environment.
+
+The rendezvous port under SLURM and MPI (which, unlike torchrun, host no store of their own) is
+``MASTER_PORT`` when set. Otherwise it is derived from the id of the job, which every rank of
+the job sees alike, so two jobs sharing a node do not both take torch's 29500:
+
+- the id is, for SLURM, ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``; for MPI the first set of
+  ``PMIX_NAMESPACE`` (Open MPI 5, PMIx launchers), ``OMPI_MCA_ess_base_jobid`` (Open MPI 4),
+  ``PMI_JOBID`` (Slurm's PMI2), ``SLURM_JOB_ID`` (+ ``SLURM_STEP_ID``), ``PBS_JOBID``,
+  ``LSB_JOBID``;
+- an id ``J`` or ``J.S`` in digits counts as ``n = J + 1000 * S`` (consecutive jobs get
+  consecutive ports); any other id as ``n = crc32(id)``;
+- the port is ``20000 + n % 12768``, i.e. within 20000..32767 (:data:`DERIVED_PORT_RANGE`):
+  unprivileged and below Linux's default ephemeral range (32768..60999), from which outgoing
+  connections take their local ports.
+
+Without any id (e.g. MPICH's ``mpiexec`` on a workstation) the port is 29500
+(:data:`DEFAULT_PORT`), and two such jobs on one node need distinct ``MASTER_PORT`` values.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import zlib
 from collections.abc import Mapping
 from typing import Literal
 
@@ -15,7 +33,16 @@ import attrs
 
 from accel.errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "LaunchEnv", "Launcher", "environ_snapshot", "read_launch_env"]
+__all__ = [
+    "DEFAULT_PORT",
+    "DERIVED_PORT_RANGE",
+    "ENV_PREFIX",
+    "LaunchEnv",
+    "Launcher",
+    "environ_snapshot",
+    "read_launch_env",
+    "read_variable",
+]
 
 Launcher = Literal["torchrun", "slurm", "mpi", "none"]
 
@@ -24,7 +51,14 @@ ENV_PREFIX = "ACCEL_"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
-_DEFAULT_PORT = 29500
+DEFAULT_PORT = 29500
+"""The SLURM/MPI rendezvous port when ``MASTER_PORT`` is not set and no job id is known."""
+
+DERIVED_PORT_RANGE = (20000, 32767)
+"""The inclusive range of rendezvous ports derived from a SLURM or MPI job id."""
+
+_MPI_JOB_IDS = ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "PMI_JOBID")
+_SCHEDULER_JOB_IDS = ("PBS_JOBID", "LSB_JOBID")
 
 
 @attrs.frozen(kw_only=True)
@@ -101,6 +135,40 @@ def _str(env: Mapping[str, str], name: str) -> str | None:
     return raw.strip()
 
 
+def _port(env: Mapping[str, str]) -> int | None:
+    """``MASTER_PORT`` as an int (``None`` when unset), refused outside 1..65535."""
+    port = _int(env, "MASTER_PORT")
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigError(
+            f"Environment variable MASTER_PORT={env['MASTER_PORT']!r} is not a TCP port; "
+            "it must be in 1..65535. Unset it (SLURM and MPI jobs then derive one from the "
+            "job id) or give a free port, e.g. `MASTER_PORT=29500`."
+        )
+    return port
+
+
+def _slurm_job_id(env: Mapping[str, str]) -> str | None:
+    """``"<job>"`` or ``"<job>.<step>"`` for a SLURM job, ``None`` outside one."""
+    job = _str(env, "SLURM_JOB_ID") or _str(env, "SLURM_JOBID")
+    if job is None:
+        return None
+    step = _str(env, "SLURM_STEP_ID") or _str(env, "SLURM_STEPID")
+    return f"{job}.{step}" if step is not None and step.isdigit() else job
+
+
+def _port_from_job_id(job_id: str | None) -> int:
+    """The rendezvous port for a job id (see the module docstring for the formula)."""
+    if job_id is None:
+        return DEFAULT_PORT
+    low, high = DERIVED_PORT_RANGE
+    numeric = re.fullmatch(r"(\d+)(?:\.(\d+))?", job_id)
+    if numeric is not None:
+        n = int(numeric.group(1)) + 1000 * int(numeric.group(2) or 0)
+    else:
+        n = zlib.crc32(job_id.encode("utf-8"))
+    return low + n % (high - low + 1)
+
+
 def _first_slurm_host(nodelist: str) -> str:
     """First host of a SLURM node list such as ``"gpu[003-005,9],cpu1"`` -> ``"gpu003"``."""
     first = re.match(r"([^,\[]+)(\[([^\]]*)\])?", nodelist.strip())
@@ -152,7 +220,7 @@ def _from_torchrun(env: Mapping[str, str]) -> dict[str, object] | None:
         "node_rank": node_rank,
         "num_nodes": nodes,
         "master_addr": _str(env, "MASTER_ADDR"),
-        "master_port": _int(env, "MASTER_PORT"),
+        "master_port": _port(env),
     }
 
 
@@ -166,12 +234,16 @@ def _from_slurm(env: Mapping[str, str]) -> dict[str, object] | None:
         return None
     nodes = _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES") or 1
     local_world = _slurm_tasks_per_node(env, world, nodes)
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
+    nodelist = (
+        _str(env, "SLURM_STEP_NODELIST")
+        or _str(env, "SLURM_JOB_NODELIST")
+        or _str(env, "SLURM_NODELIST")
+        or ""
+    )
     addr = _str(env, "MASTER_ADDR") or (_first_slurm_host(nodelist) if nodelist else "127.0.0.1")
-    port = _int(env, "MASTER_PORT")
-    if port is None:
-        job_id = _int(env, "SLURM_JOB_ID") or 0
-        port = 15000 + job_id % 20000  # same for every task of the job, spread across jobs
+    port = _port(env)
+    if port is None:  # the same on every task of the job step, different across jobs
+        port = _port_from_job_id(_slurm_job_id(env))
     local_rank = _int(env, "SLURM_LOCALID")
     node_rank = _int(env, "SLURM_NODEID")
     return {
@@ -195,6 +267,22 @@ _MPI_VARIABLES = (
 )
 
 
+def _mpi_job_id(env: Mapping[str, str]) -> str | None:
+    """The id every rank of an MPI job shares (MPI's own first, then the scheduler's)."""
+    for name in _MPI_JOB_IDS:
+        value = _str(env, name)
+        if value is not None:
+            return value
+    slurm = _slurm_job_id(env)
+    if slurm is not None:
+        return slurm
+    for name in _SCHEDULER_JOB_IDS:
+        value = _str(env, name)
+        if value is not None:
+            return value
+    return None
+
+
 def _from_mpi(env: Mapping[str, str]) -> dict[str, object] | None:
     for rank_var, size_var, local_var, local_size_var in _MPI_VARIABLES:
         rank = _int(env, rank_var)
@@ -213,6 +301,9 @@ def _from_mpi(env: Mapping[str, str]) -> dict[str, object] | None:
                     "(and optionally `MASTER_PORT`) to every rank, e.g. `mpirun -x MASTER_ADDR`."
                 )
             addr = "127.0.0.1"
+        port = _port(env)
+        if port is None:  # the same on every rank of the job, different across jobs
+            port = _port_from_job_id(_mpi_job_id(env))
         return {
             "launcher": "mpi",
             "rank": rank,
@@ -222,7 +313,7 @@ def _from_mpi(env: Mapping[str, str]) -> dict[str, object] | None:
             "node_rank": rank // local_world,
             "num_nodes": nodes,
             "master_addr": addr,
-            "master_port": _int(env, "MASTER_PORT") or _DEFAULT_PORT,
+            "master_port": port,
         }
     return None
 
@@ -253,6 +344,19 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     )
     _check_placement(launch)
     return launch
+
+
+def read_variable(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """One environment variable, stripped; ``None`` when unset or blank.
+
+    For the few settings other modules must honour as the user set them (e.g. ``WANDB_MODE``
+    for the wandb tracker), so that reading ``os.environ`` stays in this module.
+
+    Example:
+        >>> read_variable("WANDB_MODE", {"WANDB_MODE": " offline "})
+        'offline'
+    """
+    return _str(os.environ if environ is None else environ, name)
 
 
 def environ_snapshot() -> dict[str, str]:

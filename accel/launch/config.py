@@ -311,7 +311,8 @@ def load_config(path: str | os.PathLike[str] | None = None) -> dict[str, object]
         ``backend``, ``cpu``, ``debug``, ``timeout``.
 
     Raises:
-        ConfigError: the named file is missing or unreadable, or a key or value is invalid.
+        ConfigError: the named file is missing, unreadable or not UTF-8 text, or a key or
+            value is invalid.
 
     Example:
         >>> load_config()  # no file
@@ -335,6 +336,13 @@ def load_config(path: str | os.PathLike[str] | None = None) -> dict[str, object]
     except OSError as error:
         raise ConfigError(
             f"Cannot read the config file {str(file)!r} ({error}). Check its permissions."
+        ) from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"The config file {str(file)!r} is not UTF-8 text: byte "
+            f"{error.object[error.start:error.start + 1]!r} at offset {error.start} cannot be "
+            "decoded. A TOML config file must be UTF-8; save it as UTF-8 or rewrite it with "
+            f"`accel config --config-file {file}`."
         ) from None
     return parse_config(text, origin=str(file))
 

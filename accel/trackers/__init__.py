@@ -7,8 +7,9 @@ or concurrent ``tracking()`` blocks in different threads/tasks do not mix.
 
 Built-in trackers (``log_with`` names): ``"jsonl"`` (no dependency), ``"tensorboard"``,
 ``"wandb"``, ``"mlflow"`` (extras ``accel[tensorboard]``, ``accel[wandb]``, ``accel[mlflow]``).
-``log_with="all"`` picks jsonl and every installed one. Custom trackers: see
-:mod:`accel.trackers.base`.
+``log_with="all"`` picks jsonl and every installed one (wandb offline unless a mode is set).
+Custom trackers: see :mod:`accel.trackers.base`. Run names are single directory names, so a
+run never writes outside ``project_dir``.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import dataclasses
 import importlib
 import importlib.util
 import operator
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from types import MappingProxyType
 from typing import Any
 
@@ -144,6 +146,57 @@ def _resolve(log_with: str | Sequence[str | Tracker] | None) -> list[str | Track
     return out
 
 
+def _picked_by_all(log_with: str | Sequence[str | Tracker] | None) -> frozenset[str]:
+    """The builtin names that only ``"all"`` chose (not also named in ``log_with``)."""
+    if log_with is None or _is_tracker(log_with):
+        return frozenset()
+    given = [log_with] if isinstance(log_with, str) else list(log_with)
+    names = {item.lower() for item in given if isinstance(item, str)}
+    if "all" not in names:
+        return frozenset()
+    return frozenset(_BUILTINS) - names
+
+
+def _why_not_a_run_name(name: str) -> str | None:
+    """What makes ``name`` unfit as one directory inside ``project_dir`` (``None``: fit)."""
+    if name == "":
+        return "is empty"
+    if "\0" in name:
+        return "contains a NUL character"
+    if PurePosixPath(name).anchor or PureWindowsPath(name).anchor:
+        return "is an absolute path"
+    if "/" in name or "\\" in name:
+        return "contains a path separator ('/' or '\\')"
+    if name in (".", ".."):
+        return "names the project directory or its parent"
+    return None
+
+
+def _check_run_name(run_name: str | os.PathLike[str] | None) -> str | None:
+    """Validate ``run_name`` (on every rank): one plain directory name, or ``None``.
+
+    Each run writes to ``project_dir / run_name``, so a name that is absolute, holds a path
+    separator or is ``"."``/``".."`` would put files outside ``project_dir`` (or mix runs).
+    This is the one place that rule is enforced; adapters get a checked ``run_dir``.
+    """
+    if run_name is None:
+        return None
+    name = os.fspath(run_name) if isinstance(run_name, os.PathLike) else run_name
+    if not isinstance(name, str):
+        raise ConfigError(
+            f"run_name must be a string, got {type(run_name).__name__} {run_name!r:.60}. "
+            "Pass e.g. `run_name='exp1'`."
+        )
+    problem = _why_not_a_run_name(name)
+    if problem is not None:
+        raise ConfigError(
+            f"run_name={name!r} {problem}; a run writes to project_dir/<run_name>/, so the "
+            "name must be a single directory name inside project_dir. Pass a plain name, "
+            "e.g. `run_name='exp1'`, and choose where runs go with `project_dir`."
+        )
+    return name
+
+
 def _plain_config(config: object) -> dict[str, Any]:
     if config is None:
         return {}
@@ -213,6 +266,7 @@ def _start_all(
     run_name: str | None,
     config: dict[str, Any],
     init_kwargs: Mapping[str, Mapping[str, Any]],
+    picked_by_all: frozenset[str] = frozenset(),
 ) -> TrackingRun:
     names = tuple(e if isinstance(e, str) else e.name for e in entries)
     for entry in entries:  # fail before creating anything when a package is missing
@@ -231,6 +285,7 @@ def _start_all(
                     run_dir=run_dir,
                     config=config,
                     options=dict(init_kwargs.get(entry, {})),
+                    picked_by_all=entry in picked_by_all,
                 )
                 started.append(_start_builtin(entry, info))
             else:
@@ -270,12 +325,15 @@ def tracking(
         project_dir: the directory holding the runs; each run writes to
             ``project_dir/<run_name>/``.
         log_with: tracker names (``"jsonl"``, ``"tensorboard"``, ``"wandb"``, ``"mlflow"``),
-            ``"all"`` for jsonl plus every installed one, tracker objects (see
-            :mod:`accel.trackers.base`), or ``None``/``()`` for none.
+            ``"all"`` for jsonl plus every installed one (a wandb run started only because of
+            ``"all"`` is offline unless ``WANDB_MODE`` or ``init_kwargs`` sets a mode),
+            tracker objects (see :mod:`accel.trackers.base`), or ``None``/``()`` for none.
         config: the run's hyper-parameters (dict, dataclass or ``argparse.Namespace``):
             ``config.json`` for jsonl, the wandb config, mlflow params, a tensorboard text.
         run_name: the run's name; default ``run-YYYYmmdd-HHMMSS`` (made unique). Reusing a
-            name continues that run's directory (jsonl appends).
+            name continues that run's directory (jsonl appends). It must be one plain
+            directory name: not empty, ``"."`` or ``".."``, not absolute, without ``/`` or
+            ``\\``, so that nothing is written outside ``project_dir``.
         init_kwargs: per-tracker options for the native init call, e.g.
             ``{"wandb": {"mode": "offline"}, "mlflow": {"tracking_uri": "..."}}``.
 
@@ -283,7 +341,8 @@ def tracking(
         The :class:`TrackingRun` (its ``directory`` is ``None`` on non-main ranks).
 
     Raises:
-        ConfigError: unknown tracker name or bad config.
+        ConfigError: unknown tracker name, bad config or a ``run_name`` that is not a plain
+            directory name.
         TrackerUnavailableError: a tracker's package is not installed (names the extra).
 
     Example:
@@ -293,6 +352,7 @@ def tracking(
         ...         accel.log({"loss": loss}, step=step)
     """
     entries = _resolve(log_with)  # every rank validates the arguments
+    run_name = _check_run_name(run_name)
     settings = _plain_config(config)
     options = dict(init_kwargs or {})
     names = tuple(e if isinstance(e, str) else e.name for e in entries)
@@ -303,7 +363,9 @@ def tracking(
             f"add them to log_with or remove them from init_kwargs."
         )
     if state().is_main_process:
-        run = _start_all(entries, Path(project_dir), run_name, settings, options)
+        run = _start_all(
+            entries, Path(project_dir), run_name, settings, options, _picked_by_all(log_with)
+        )
     else:
         run = TrackingRun(name=run_name, directory=None, tracker_names=names, trackers={})
     token = _RUN.set(run)

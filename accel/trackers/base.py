@@ -87,6 +87,9 @@ class RunInfo:
         run_dir: ``project_dir / run_name``, created before adapters start.
         config: the run's hyper-parameters as a plain dict (empty when none were given).
         options: this adapter's entry of ``init_kwargs`` (passed to the native init call).
+        picked_by_all: ``True`` when the tracker runs only because ``log_with`` holds
+            ``"all"`` (it was not named), so it should not reach out on its own (wandb starts
+            offline unless a mode was set).
     """
 
     project_dir: Path
@@ -94,6 +97,7 @@ class RunInfo:
     run_dir: Path
     config: Mapping[str, Any] = attrs.field(factory=dict)
     options: Mapping[str, Any] = attrs.field(factory=dict)
+    picked_by_all: bool = False
 
 
 def _convert(key: str, value: Any) -> LogValue:

@@ -3,8 +3,11 @@
 ``wandb.init`` gets ``project`` (default: the name of ``project_dir``), ``name`` (the run
 name), ``dir`` (the run directory) and ``config``; ``init_kwargs={"wandb": {...}}`` adds or
 overrides options, e.g. ``{"wandb": {"mode": "offline", "entity": "team"}}``. Without a
-``mode`` option, wandb's own settings apply (``WANDB_MODE=offline`` works). A run whose block
-raised is finished with exit code 1.
+``mode`` option, wandb's own settings apply (``WANDB_MODE=offline`` works), except when wandb
+was not named but picked by ``log_with="all"``: then the run is offline (files under the run
+directory, nothing sent, no login asked) unless ``WANDB_MODE`` is set or ``init_kwargs`` gives
+a ``mode``, e.g. ``{"wandb": {"mode": "online"}}``. A run whose block raised is finished with
+exit code 1.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from accel._env import read_variable
 from accel.trackers.base import LogValue, RunInfo
 
 __all__ = ["WandbTracker", "start"]
@@ -62,6 +66,8 @@ def start(run: RunInfo) -> WandbTracker:
         "dir": str(run.run_dir),
         **run.options,
     }
+    if run.picked_by_all and "mode" not in options and read_variable("WANDB_MODE") is None:
+        options["mode"] = "offline"  # "all" asked for every tracker, not for an upload
     if run.config:
         options["config"] = {**dict(run.config), **dict(options.get("config") or {})}
     return WandbTracker(wandb.init(**options))

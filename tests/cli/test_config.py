@@ -125,6 +125,25 @@ def test_load_config_missing_files(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert load_config() == {"debug": True}
 
 
+def test_non_utf8_config_file_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfe garbage")
+    with pytest.raises(ConfigError, match="UTF-8") as info:
+        load_config(bad)
+    assert repr(str(bad)) in str(info.value)
+    monkeypatch.setenv("ACCEL_CONFIG_FILE", str(bad))  # the file found through the variable
+    with pytest.raises(ConfigError, match="UTF-8"):
+        load_config()
+    monkeypatch.delenv("ACCEL_CONFIG_FILE")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))  # and the user config file
+    (tmp_path / "accel").mkdir()
+    (tmp_path / "accel" / "config.toml").write_bytes("debug = true # é\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="UTF-8"):
+        load_config()
+
+
 def test_each_layer_overrides_the_one_below() -> None:
     file = {"mixed_precision": "fp16", "gradient_accumulation_steps": 2, "debug": True}
     env = LaunchEnv(mixed_precision="bf16", gradient_accumulation_steps=3)

@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from accel._env import read_launch_env
+from accel._env import (
+    DERIVED_PORT_RANGE,
+    read_launch_env,
+)
 from accel.errors import AccelError, ConfigError
 
 
@@ -38,7 +41,7 @@ def test_slurm_variables_and_node_list() -> None:
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
     assert (env.node_rank, env.num_nodes) == (1, 2)
     assert env.master_addr == "gpu007"
-    assert env.master_port == 15042
+    assert env.master_port == 20042  # 20000 + job id % 12768 (step 0)
 
 
 def test_slurm_interactive_shell_is_not_a_job_step() -> None:
@@ -110,3 +113,89 @@ def test_bad_values_name_the_variable(name: str, value: str) -> None:
 def test_rank_outside_world_is_rejected() -> None:
     with pytest.raises(ConfigError, match="rank 2 outside"):
         read_launch_env({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+def _slurm(rank: int, job_id: str | None, **extra: str) -> dict[str, str]:
+    env = {
+        "SLURM_PROCID": str(rank), "SLURM_NTASKS": "4", "SLURM_LOCALID": str(rank % 2),
+        "SLURM_NODEID": str(rank // 2), "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_JOB_NODELIST": "gpu[007-008]", "SLURM_JOB_NAME": "train", "SLURM_STEP_ID": "0",
+        **extra,
+    }
+    if job_id is not None:
+        env["SLURM_JOB_ID"] = job_id
+    return env
+
+
+def test_slurm_port_is_the_same_on_every_rank_and_differs_between_jobs() -> None:
+    low, high = DERIVED_PORT_RANGE
+    ports = {}
+    for job_id in ("42", "43", "1000000", "98765432"):
+        on_ranks = {read_launch_env(_slurm(rank, job_id)).master_port for rank in range(4)}
+        assert len(on_ranks) == 1, on_ranks  # every task of the job agrees
+        (ports[job_id],) = on_ranks
+        assert ports[job_id] is not None and low <= ports[job_id] <= high
+    assert len(set(ports.values())) == len(ports)  # two jobs on one node do not collide
+    assert ports["42"] != 29500
+
+
+def test_slurm_steps_of_one_job_get_different_ports() -> None:
+    step0 = read_launch_env(_slurm(0, "42", SLURM_STEP_ID="0")).master_port
+    step1 = read_launch_env(_slurm(0, "42", SLURM_STEP_ID="1")).master_port
+    assert step0 != step1
+
+
+def test_master_port_wins_over_the_derived_port() -> None:
+    assert read_launch_env(_slurm(1, "42", MASTER_PORT="31337")).master_port == 31337
+    mpi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+           "PMIX_NAMESPACE": "prterun-host-123@1", "MASTER_PORT": "31337"}
+    assert read_launch_env(mpi).master_port == 31337
+
+
+@pytest.mark.parametrize("value", ["0", "70000", "-1"])
+def test_master_port_outside_the_port_range_is_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match="MASTER_PORT") as info:
+        read_launch_env(_slurm(0, "42", MASTER_PORT=value))
+    assert repr(value) in str(info.value)
+
+
+def test_slurm_without_a_job_id_uses_the_documented_default() -> None:
+    assert read_launch_env(_slurm(0, None)).master_port == 29500
+
+
+def test_slurm_master_addr_from_the_node_list() -> None:
+    env = _slurm(2, "42")
+    del env["SLURM_JOB_NODELIST"]
+    env["SLURM_NODELIST"] = "node-[12-13]"
+    assert read_launch_env(env).master_addr == "node-12"
+    env["MASTER_ADDR"] = "10.1.1.1"
+    assert read_launch_env(env).master_addr == "10.1.1.1"
+
+
+@pytest.mark.parametrize(
+    ("variable", "first", "second"),
+    [
+        ("PMIX_NAMESPACE", "prterun-node1-4242@1", "prterun-node1-4243@1"),  # Open MPI 5
+        ("OMPI_MCA_ess_base_jobid", "2854617089", "2854617090"),  # Open MPI 4
+        ("PMI_JOBID", "77.0", "78.0"),  # MPICH / Intel MPI under Slurm's PMI2
+        ("SLURM_JOB_ID", "42", "43"),  # mpirun inside an sbatch script
+    ],
+)
+def test_mpi_port_is_derived_from_the_job_id(variable: str, first: str, second: str) -> None:
+    low, high = DERIVED_PORT_RANGE
+
+    def port(rank: int, job: str) -> int | None:
+        return read_launch_env(
+            {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+             "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+             variable: job}
+        ).master_port
+
+    assert port(0, first) == port(1, first)
+    assert port(0, first) != port(0, second)
+    assert all(low <= p <= high for p in (port(0, first), port(0, second)) if p is not None)
+
+
+def test_mpi_without_a_job_id_uses_the_documented_default() -> None:
+    env = read_launch_env({"PMI_RANK": "1", "PMI_SIZE": "2"})
+    assert (env.launcher, env.master_port) == ("mpi", 29500)
