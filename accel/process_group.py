@@ -106,8 +106,11 @@ def distributed(
     Reads the launch environment (torchrun / ``accel launch``, SLURM, Open MPI / MPICH), picks
     the device (CUDA ``local_rank % device_count``, else CPU) and the backend (nccl on CUDA,
     gloo on CPU), initialises the process group unless one exists, and destroys on exit only a
-    group it created. Options not passed come from the ``ACCEL_*`` environment, then defaults.
-    Nested inside an active block, it reuses the group and scopes the changed options.
+    group it created: after a barrier on a clean exit, and at once, with no collective, when an
+    exception leaves the block (the failing rank exits promptly, so its launcher stops the job
+    instead of every rank waiting for the collective timeout). Options not passed come from the
+    ``ACCEL_*`` environment, then defaults. Nested inside an active block, it reuses the group
+    and scopes the changed options.
 
     Args:
         backend: torch.distributed backend; default nccl on CUDA, gloo on CPU.
@@ -193,9 +196,12 @@ def distributed(
             if seed is not None:
                 _seed(seed)
             yield current
-    finally:
+    except BaseException:
         if created and dist.is_initialized():
-            _teardown()
+            _leave_after_error()
+        raise
+    if created and dist.is_initialized():
+        _teardown()
 
 
 _CONFIG_KEYS = (
@@ -230,6 +236,31 @@ def _teardown() -> None:
         pass
     _release_ddp_reducers()
     dist.destroy_process_group()
+
+
+def _leave_after_error() -> None:
+    """Leave the group this block created while an exception propagates: no collective.
+
+    A barrier here would wait forever for peers that are still training (or blocked in a
+    collective this rank will never join), so the process would never exit and the launcher
+    would never learn that it failed. Instead the group is torn down locally: the DDP reducers
+    are released (as on a clean exit, to avoid an abort at interpreter exit that would replace
+    the exit status and hide the traceback), then the group is aborted (NCCL: no wait for
+    in-flight kernels) or destroyed (gloo: closes the connections, so a peer blocked in a
+    collective gets an error at once). Nothing here may raise over the user's exception.
+    """
+    try:
+        _release_ddp_reducers()
+    except Exception:  # best effort: the user's exception is what matters
+        pass
+    try:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if dist.get_backend() == "nccl" and abort is not None:
+            abort()  # destroying would wait for this rank's kernels stuck on a dead peer
+        else:
+            dist.destroy_process_group()
+    except Exception:  # a broken group cannot be left more cleanly
+        pass
 
 
 def _release_ddp_reducers() -> None:

@@ -77,18 +77,31 @@ def _worker(
         try:
             with distributed(**options):
                 value = function(*args)
-        finally:
-            dist.destroy_process_group()
+        except BaseException as exc:
+            # report first: leaving the group releases a peer blocked in a collective with a
+            # lost-connection error, which should arrive second (the parent also ranks it last)
+            _report_failure(results, rank, exc)
+            try:
+                dist.destroy_process_group()  # no collective: this rank leaves at once
+            except Exception:  # its failure is reported already
+                pass
+            return
+        dist.destroy_process_group()
         results.put((rank, True, pickle.dumps(value)))
     except BaseException as exc:  # report everything, including KeyboardInterrupt/SystemExit
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        payload: bytes | None
-        try:
-            payload = pickle.dumps(exc)
-            pickle.loads(payload)
-        except Exception:  # an exception that cannot travel is sent as text
-            payload = None
-        results.put((rank, False, (type(exc).__name__, str(exc), text, payload)))
+        _report_failure(results, rank, exc)
+
+
+def _report_failure(results: Any, rank: int, exc: BaseException) -> None:
+    """Send a worker's exception to the parent: its traceback, and itself when it pickles."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    payload: bytes | None
+    try:
+        payload = pickle.dumps(exc)
+        pickle.loads(payload)
+    except Exception:  # an exception that cannot travel is sent as text
+        payload = None
+    results.put((rank, False, (type(exc).__name__, str(exc), text, payload)))
 
 
 def _context() -> Any:
@@ -128,8 +141,9 @@ def run_distributed(
     Each process joins a gloo group (a FileStore in a temporary directory: no ports) and runs
     the function inside ``accel.distributed(**distributed_options)``. The function and its
     arguments must be picklable (defined at module level). The first exception raised on any
-    rank is re-raised here as itself, with the rank and its remote traceback chained; a run
-    that exceeds ``timeout`` seconds is killed.
+    rank is re-raised here as itself, with the rank and its remote traceback chained (a rank
+    that only lost its connection to a failed peer is not taken for the cause); a run that
+    exceeds ``timeout`` seconds is killed.
 
     Args:
         function: a module-level function to run on every rank.
@@ -194,7 +208,7 @@ def run_distributed(
                 proc.join(5)
             results.close()
     if failures:
-        rank, failure = failures[0]
+        rank, failure = _root_cause(failures)
         _raise_failure(rank, world_size, failure)
     if len(done) < world_size:
         running = [r for r in range(world_size) if r not in done]
@@ -204,6 +218,20 @@ def run_distributed(
             "Look for a collective called on only some ranks, or pass a larger `timeout=`."
         )
     return [pickle.loads(done[r]) for r in range(world_size)]
+
+
+def _root_cause(
+    failures: list[tuple[int, tuple[str, str, str, bytes | None]]],
+) -> tuple[int, tuple[str, str, str, bytes | None]]:
+    """The failure to re-raise: the first one that is not a rank losing its peer.
+
+    When one rank fails, a peer blocked in a collective with it fails too, with a lost
+    connection; that error can even arrive first, but it is a consequence, not the cause.
+    """
+    from accel.launch.run import is_peer_loss
+
+    _, first = min(enumerate(failures), key=lambda pair: (is_peer_loss(pair[1][1][2]), pair[0]))
+    return first
 
 
 def _note_silent_deaths(

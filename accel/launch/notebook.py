@@ -29,46 +29,85 @@ class LaunchError(AccelError, RuntimeError):
     """Processes cannot be launched from here, or a launched process failed."""
 
 
+def _attempt() -> int:
+    """Which attempt of the job this worker belongs to (0, then 1 after a restart, ...)."""
+    # the elastic agent numbers the attempts for its workers in this variable
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
 def _run_in_worker(
     function: Callable[..., Any], args: tuple[Any, ...], env: Mapping[str, str], reports: str
 ) -> Any:
     """Runs in each forked worker: set accel's options in its environment, call the function.
 
-    A failure is also written to ``reports`` with a precise time, so the launcher can name the
-    rank that failed first (torch reports whichever failed process it notices first).
+    The worker first marks its attempt as started in ``reports``. A failure is also written
+    there with a precise time, the attempt and this process's id, so the launcher can name the
+    rank that failed first in the last attempt (torch reports whichever failed process it
+    notices first). A worker the launcher stopped (torch's termination handler raises
+    ``SignalException`` in it) is marked as such: it is never the root cause.
     """
     os.environ.update(env)  # the worker's own environment, read by accel.distributed()
+    attempt = _attempt()
+    rank = os.environ.get("RANK", "0")
+    try:
+        open(os.path.join(reports, f"started-{attempt}"), "a").close()
+    except OSError:
+        pass  # best effort, like the report
     try:
         return function(*args)
     except BaseException as error:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
         tb = error.__traceback__
         tb = tb.tb_next if tb is not None else None  # drop this wrapper's frame
         text = "".join(traceback.format_exception(type(error), error, tb))
-        rank = os.environ.get("RANK", "0")
-        report = {"time": time.time(), "rank": int(rank), "traceback": text}
+        report = {"time": time.time(), "rank": int(rank), "attempt": attempt,
+                  "pid": os.getpid(), "stopped": isinstance(error, SignalException),
+                  "traceback": text}
+        name = f"report-{attempt}-{rank}.json"
         try:
-            with open(os.path.join(reports, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+            with open(os.path.join(reports, name), "w", encoding="utf-8") as f:
                 json.dump(report, f)
         except OSError:
             pass  # best effort: torch's own failure record still exists
         raise
 
 
-def _first_report(reports: str) -> dict[str, Any] | None:
+def _first_report(reports: str, noticed: set[int]) -> dict[str, Any] | None:
+    """The report of the root-cause failure of the last attempt, if a worker wrote one.
+
+    Reports of earlier, restarted attempts are stale and workers the launcher stopped are
+    never the cause. A report of a lost peer counts only when no process that torch saw fail
+    (``noticed``, by pid) died without a report (such a silent death, e.g. a SIGKILL, is the
+    likelier cause): otherwise ``None``, and torch's own record is described instead.
+    """
+    names = os.listdir(reports)
+    started = [int(n.split("-", 1)[1]) for n in names if n.startswith("started-")]
     found: list[dict[str, Any]] = []
-    for name in os.listdir(reports):
+    for name in names:
+        if not name.startswith("report-"):
+            continue
         try:
             with open(os.path.join(reports, name), encoding="utf-8") as f:
                 found.append(json.load(f))
         except (OSError, ValueError):
             continue
-    if not found:
+    last = max(started + [int(r["attempt"]) for r in found], default=0)
+    current = [r for r in found if int(r["attempt"]) == last]
+    causes = [r for r in current if not r["stopped"]]
+    if not causes:
         return None
     from accel.launch.run import is_peer_loss
 
     first: dict[str, Any] = min(
-        found, key=lambda r: (is_peer_loss(str(r["traceback"])), float(r["time"]))
+        causes, key=lambda r: (is_peer_loss(str(r["traceback"])), float(r["time"]))
     )
+    silent = noticed - {r["pid"] for r in current}
+    if is_peer_loss(str(first["traceback"])) and silent:
+        return None
     return first
 
 
@@ -163,7 +202,8 @@ def _launch(
                     function, tuple(args), env, reports
                 )
             except ChildFailedError as error:
-                first = _first_report(reports)
+                noticed = {failure.pid for failure in error.failures.values()}
+                first = _first_report(reports, noticed)
                 if first is None:
                     text, _ = describe_failure(error, what)
                     message = text.rstrip("\n").replace("accel launch: ", "")

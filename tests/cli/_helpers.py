@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 # A tiny DDP training run: every rank prints one RESULT line (JSON) with what it saw.
 TRAIN_SCRIPT = '''
@@ -87,3 +90,50 @@ def write_script(tmp_path: Path, text: str = TRAIN_SCRIPT, name: str = "train.py
     path = tmp_path / name
     path.write_text(text)
     return path
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc; empty where there is none)."""
+    if not Path("/proc").is_dir():
+        return []
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def run_bounded(
+    command: list[str], *, cwd: Path, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command``; past ``timeout`` kill it and everything it started, and fail the test.
+
+    Unlike ``subprocess.run(timeout=...)``, which kills only the launcher, this also kills the
+    workers it started (torch's agent puts them in sessions of their own), so a hang fails the
+    test without leaving processes behind.
+    """
+    proc = subprocess.Popen(command, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # ended in the meantime
+                pass
+        output, _ = proc.communicate()
+        pytest.fail(f"`{' '.join(command)}` did not end within {timeout} s (a hang?); "
+                    f"its output:\n{output[-4000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, output, None)
