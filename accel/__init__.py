@@ -18,6 +18,7 @@ from accel.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     ConfigError,
+    DeviceMapError,
     GatedCollectiveError,
     MainProcessFirstError,
     NotDistributedError,
@@ -81,6 +82,17 @@ _LAZY: dict[str, str] = {
     "load_state": "accel.checkpoint",
     "latest_checkpoint": "accel.checkpoint",
     "CheckpointInfo": "accel.checkpoint",
+    "load": "accel.checkpoint",
+    # big models
+    "init_empty_weights": "accel.big_model",
+    "init_on_device": "accel.big_model",
+    "infer_auto_device_map": "accel.big_model",
+    "get_balanced_memory": "accel.big_model",
+    "dispatch_model": "accel.big_model",
+    "cpu_offload": "accel.big_model",
+    "disk_offload": "accel.big_model",
+    "remove_hooks": "accel.big_model",
+    "load_checkpoint_and_dispatch": "accel.big_model",
     # tracking, progress, profiling, memory
     "tracking": "accel.trackers",
     "log": "accel.trackers",
@@ -102,6 +114,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ConfigError",
+    "DeviceMapError",
     "GatedCollectiveError",
     "MainProcessFirstError",
     "NotDistributedError",
@@ -118,9 +131,19 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.accumulation import no_sync as no_sync
     from accel.accumulation import sync_gradients as sync_gradients
     from accel.accumulation import trigger_sync_in_backward as trigger_sync_in_backward
+    from accel.big_model import cpu_offload as cpu_offload
+    from accel.big_model import disk_offload as disk_offload
+    from accel.big_model import dispatch_model as dispatch_model
+    from accel.big_model import get_balanced_memory as get_balanced_memory
+    from accel.big_model import infer_auto_device_map as infer_auto_device_map
+    from accel.big_model import init_empty_weights as init_empty_weights
+    from accel.big_model import init_on_device as init_on_device
+    from accel.big_model import load_checkpoint_and_dispatch as load_checkpoint_and_dispatch
+    from accel.big_model import remove_hooks as remove_hooks
     from accel.checkpoint import CheckpointInfo as CheckpointInfo
     from accel.checkpoint import get_state_dict as get_state_dict
     from accel.checkpoint import latest_checkpoint as latest_checkpoint
+    from accel.checkpoint import load as load
     from accel.checkpoint import load_checkpoint_in_model as load_checkpoint_in_model
     from accel.checkpoint import load_state as load_state
     from accel.checkpoint import save as save

@@ -60,3 +60,7 @@ class CheckpointError(AccelError, ValueError):
 class CheckpointArgumentError(CheckpointError, TypeError):
     """An argument of a checkpoint function is invalid (e.g. ``step=3.0``): a wrong type or
     value, so it is both a ``ValueError`` and a ``TypeError``."""
+
+
+class DeviceMapError(AccelError, ValueError):
+    """A device map, ``max_memory`` budget or offload setting is invalid or cannot be met."""

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from accel.checkpoint.model_io import get_state_dict, load_checkpoint_in_model, save, save_model
+from accel.checkpoint.model_io import (
+    get_state_dict,
+    load,
+    load_checkpoint_in_model,
+    save,
+    save_model,
+)
 from accel.checkpoint.state import CheckpointInfo, latest_checkpoint, load_state, save_state
 
 __all__ = [
     "CheckpointInfo",
     "get_state_dict",
     "latest_checkpoint",
+    "load",
     "load_checkpoint_in_model",
     "load_state",
     "save",

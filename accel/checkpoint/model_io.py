@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel._sizes import parse_size
 from accel._state import state
 from accel.checkpoint import _model_swap
 from accel.checkpoint._atomic import leftovers, temp_sibling, write_file_atomically
@@ -20,14 +20,12 @@ from accel.checkpoint._format import write_bytes, write_safetensors
 from accel.errors import CheckpointError
 from accel.model import unwrap_model
 
-__all__ = ["get_state_dict", "load_checkpoint_in_model", "save", "save_model"]
+__all__ = ["get_state_dict", "load", "load_checkpoint_in_model", "save", "save_model"]
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 TORCH_WEIGHTS = "pytorch_model.bin"
 TORCH_INDEX = "pytorch_model.bin.index.json"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def get_state_dict(model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
@@ -41,15 +39,13 @@ def get_state_dict(model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.
 
 
 def _parse_size(size: int | str) -> int:
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
-    if match is None or match.group(2).upper() not in _UNITS or float(match.group(1)) <= 0:
+    parsed = parse_size(size)
+    if parsed is None or parsed <= 0:
         raise CheckpointError(
             f"max_shard_size={size!r} is not a size; give bytes or a string such as '10GB', "
             "'500MB' or '2GiB'."
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    return parsed
 
 
 def _shards(tensors: Mapping[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
@@ -135,6 +131,11 @@ def save(obj: Any, path: str | os.PathLike[str], *, safe_serialization: bool = T
         )
     else:
         write_file_atomically(target, lambda tmp: _torch_save(tmp, obj))
+
+
+def load(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> Any:
+    """TODO (helper D)."""
+    raise NotImplementedError
 
 
 def save_model(
