@@ -84,6 +84,7 @@ class LaunchEnv:
     cpu: bool | None = None
     debug: bool | None = None
     timeout: float | None = None
+    on_each_node: bool | None = None
     config_file: str | None = None
 
 
@@ -339,6 +340,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         cpu=_bool(env, p + "CPU"),
         debug=_bool(env, p + "DEBUG"),
         timeout=_float(env, p + "TIMEOUT"),
+        on_each_node=_bool(env, p + "ON_EACH_NODE"),
         config_file=_str(env, p + "CONFIG_FILE"),
         **placement,  # type: ignore[arg-type]
     )

@@ -70,6 +70,7 @@ class ProcessState:
     debug: bool = False
     timeout: float = DEFAULT_TIMEOUT_S
     seed: int | None = None
+    on_each_node: bool = False
     options: Mapping[str, Any] = attrs.field(
         factory=dict, converter=_frozen_mapping, eq=False, repr=False
     )
@@ -257,5 +258,6 @@ def derive_state(env: LaunchEnv | None = None) -> ProcessState:
         num_nodes=max(1, -(-world // max(1, local_world))),
         device=device,
         backend=backend,
+        on_each_node=bool(env.on_each_node),
         **resolve_policy(env, world_size=world),
     )

@@ -74,6 +74,7 @@ def _nested(
     fixed: dict[str, Any],
     changes: dict[str, Any],
     options: dict[str, Any],
+    on_each_node: bool | None,
 ) -> ProcessState:
     held_values = {"backend": current.backend, "cpu": current.device.type == "cpu"}
     for name, value in fixed.items():
@@ -85,7 +86,19 @@ def _nested(
             )
     merged = {k: v if v is not None else getattr(current, k) for k, v in changes.items()}
     policy = resolve_policy(LaunchEnv(), world_size=current.world_size, **merged)
-    return attrs.evolve(current, **policy, options={**current.options, **options})
+    each = current.on_each_node if on_each_node is None else on_each_node
+    return attrs.evolve(
+        current, **policy, on_each_node=each, options={**current.options, **options}
+    )
+
+
+def _check_on_each_node(value: object) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise ConfigError(
+        f"on_each_node={value!r} must be True or False, e.g. "
+        "`accel.distributed(on_each_node=True)` when the machines have no shared filesystem."
+    )
 
 
 @contextmanager
@@ -99,6 +112,7 @@ def distributed(
     timeout: float | datetime.timedelta | None = None,
     debug: bool | None = None,
     seed: int | None = None,
+    on_each_node: bool | None = None,
     **options: Any,
 ) -> Iterator[ProcessState]:
     """Set up distributed training for the block and yield the process state.
@@ -123,6 +137,10 @@ def distributed(
             process group keeps the timeout it was created with.
         debug: check every collective's shapes on all ranks first (also ``ACCEL_DEBUG=1``).
         seed: seed python, numpy and torch RNGs identically on every rank.
+        on_each_node: the default of ``save``, ``save_model``, ``save_state`` and
+            ``load_state``: each machine's local main process writes (and reads) its own copy,
+            for machines without a shared filesystem (also the config key ``on_each_node``
+            and ``ACCEL_ON_EACH_NODE=1``); default False (one copy, written by rank 0).
         **options: extra run-wide options, readable as ``accel.state().options``.
 
     Raises:
@@ -134,6 +152,7 @@ def distributed(
         0 1 cpu
     """
     timeout_s = _as_seconds(timeout)
+    on_each_node = _check_on_each_node(on_each_node)
     changes: dict[str, Any] = {
         "mixed_precision": mixed_precision,
         "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -143,7 +162,9 @@ def distributed(
     }
     if has_active_state():
         fixed = {"backend": backend, "cpu": cpu or None}
-        inner = _nested(state(), fixed=fixed, changes=changes, options=options)
+        inner = _nested(
+            state(), fixed=fixed, changes=changes, options=options, on_each_node=on_each_node
+        )
         with set_state(inner):
             if seed is not None:
                 _seed(seed)
@@ -188,6 +209,7 @@ def distributed(
         device=device,
         backend=group_backend,
         seed=seed,
+        on_each_node=bool(env.on_each_node) if on_each_node is None else on_each_node,
         options=options,
         **policy,
     )
@@ -206,7 +228,7 @@ def distributed(
 
 _CONFIG_KEYS = (
     "mixed_precision", "gradient_accumulation_steps", "strategy", "backend", "cpu", "debug",
-    "timeout",
+    "timeout", "on_each_node",
 )
 
 

@@ -113,6 +113,15 @@ def read_manifest(path: Path) -> dict[str, Any]:
     step = manifest.get("step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
         raise _schema_error(path, f"'step' is {step!r:.40}")
+    ranks = manifest.get("ranks")  # absent before on_each_node: the copy holds every rank's
+    if ranks is not None and not (
+        isinstance(ranks, list)
+        and all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world for r in ranks)
+    ):
+        raise _schema_error(path, f"'ranks' is {ranks!r:.60}, not a list of ranks")
+    save_id = manifest.get("save_id")
+    if save_id is not None and not isinstance(save_id, str):
+        raise _schema_error(path, f"'save_id' is {save_id!r:.40}")
     return manifest
 
 

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from accel._sizes import parse_size
-from accel._state import state
 from accel.checkpoint import _model_swap
 from accel.checkpoint._atomic import leftovers, temp_sibling, write_file_atomically
 from accel.checkpoint._format import write_bytes, write_safetensors
@@ -106,36 +105,85 @@ def _dedupe_shared(tensors: Mapping[str, torch.Tensor], where: str) -> dict[str,
     return dict(tensors)
 
 
-def save(obj: Any, path: str | os.PathLike[str], *, safe_serialization: bool = True) -> None:
-    """Save ``obj`` once (on the main process), atomically: write aside, then rename.
+def save(
+    obj: Any,
+    path: str | os.PathLike[str],
+    *,
+    safe_serialization: bool | None = None,
+    on_each_node: bool | None = None,
+) -> None:
+    """Save ``obj`` to one file, once (main process), atomically; the name picks the format.
 
-    A dict of tensors goes to safetensors; other objects need ``safe_serialization=False``
-    (torch format, which loading has to unpickle: load it with ``weights_only=True``).
+    A ``.safetensors`` name (or ``safe_serialization=True``, whatever the name) writes
+    safetensors, which holds a flat dict of ``str -> tensor`` (tensors sharing memory are each
+    written in full, with a warning). Any other name (or ``safe_serialization=False``) writes
+    torch's format, which plain ``torch.load(path)`` reads with its default
+    ``weights_only=True``: the file is checked to load that way before it is put in place, and
+    tied tensors stay shared. The file is written under a temporary name, fsynced and renamed
+    into place, so a crash leaves the old file or the new one, never a partial file.
+
+    Args:
+        obj: A state dict, or (torch's format) tensors, numbers, strings and lists, tuples and
+            dicts of them, such as ``{"model": ..., "optimizer": ..., "epoch": 3}``.
+        path: The file to write; parent directories are created.
+        safe_serialization: ``True``: safetensors; ``False``: torch's format; ``None`` (the
+            default): safetensors for ``*.safetensors`` names, torch's format for others.
+        on_each_node: Each machine's local main process writes its own copy (machines
+            without a shared filesystem); default ``accel.state().on_each_node``. Otherwise
+            only the main process writes.
+
+    Raises:
+        CheckpointError: safetensors asked for and ``obj`` is not a flat dict of tensors
+            (names the key and type), or a torch-format ``obj`` that ``torch.load`` with
+            ``weights_only=True`` could not read back (names the value). Nothing is written.
+        CheckpointArgumentError: ``safe_serialization`` or ``on_each_node`` is not a bool.
 
     Example:
-        >>> accel.save(accel.get_state_dict(model), "weights.safetensors")
+        >>> accel.save(accel.unwrap_model(model).state_dict(), "model.pt")  # torch.load reads it
+        >>> accel.save(accel.get_state_dict(model), "model.safetensors")
     """
-    if not state().is_main_process:
-        return
+    from accel.checkpoint import _nodes, _single
+
     target = Path(path)
-    if safe_serialization:
-        if not _is_tensor_dict(obj):
-            raise CheckpointError(
-                f"accel.save() stores a dict of str -> tensor with safetensors, got "
-                f"{type(obj).__name__}. Pass a state dict, or `safe_serialization=False` for "
-                "torch's pickle-based format."
-            )
-        tensors = _dedupe_shared(obj, "accel.save")
-        write_file_atomically(
-            target, lambda tmp: write_safetensors(tmp, tensors, metadata={"format": "pt"})
-        )
+    safe = _single.wants_safetensors(target, safe_serialization)
+    each = _nodes.resolve(on_each_node, "save")
+    tensors = _single.check_flat_tensors(obj, target) if safe else None
+    if not _nodes.writes(each):
+        return
+    if tensors is not None:
+        shared = _dedupe_shared(tensors, "accel.save")
+        write_file_atomically(target, lambda tmp: _single.write_safetensors_file(tmp, shared))
     else:
-        write_file_atomically(target, lambda tmp: _torch_save(tmp, obj))
+        write_file_atomically(target, lambda tmp: _single.write_torch(tmp, obj, target))
 
 
 def load(path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> Any:
-    """TODO (helper D)."""
-    raise NotImplementedError
+    """Read a file ``accel.save`` (or ``torch.save``, or safetensors) wrote; never runs code.
+
+    The format is recognised from the content, not the name. A safetensors file gives a
+    ``dict`` of tensors (in memory of their own, not views of the file). A torch file is read
+    with ``torch.load(weights_only=True)``: tensors, numbers, strings and containers of them
+    load; a file that would build other objects or run code (a pickle with a malicious
+    ``__reduce__``) is refused before anything in it runs. Every process may call it.
+
+    Args:
+        path: The file.
+        map_location: Where the tensors go (``"cpu"``, ``"cuda:0"``, a ``torch.device``).
+
+    Returns:
+        What was saved.
+
+    Raises:
+        CheckpointError: no such file, a directory, a file in neither format, a truncated or
+            corrupted file, or a torch file ``weights_only=True`` refuses; names the file.
+        ConfigError: ``map_location`` is not a device.
+
+    Example:
+        >>> model.load_state_dict(accel.load("model.pt"))
+    """
+    from accel.checkpoint import _single
+
+    return _single.read_file(Path(path), map_location)
 
 
 def save_model(
@@ -144,12 +192,16 @@ def save_model(
     *,
     max_shard_size: int | str = "10GB",
     safe_serialization: bool = True,
+    on_each_node: bool | None = None,
 ) -> Path:
     """Write the model's weights in the layout transformers and Accelerate load.
 
     ``model.safetensors``, or shards ``model-0000k-of-0000n.safetensors`` plus
     ``model.safetensors.index.json`` (``pytorch_model*.bin`` with ``safe_serialization=False``).
-    Keys are the unwrapped module's. Only the main process writes.
+    Keys are the unwrapped module's. Every rank must call it (an FSDP model's weights are
+    gathered); only the main process writes, or with ``on_each_node=True`` (default
+    ``accel.state().on_each_node``) each machine's local main process writes its own copy,
+    for machines without a shared filesystem.
 
     The weight set is replaced as a whole: the new files are written into a hidden sibling
     directory, the other entries of ``directory`` (``config.json``, tokenizer files,
@@ -161,15 +213,19 @@ def save_model(
     Raises:
         CheckpointError: ``max_shard_size`` is not a size, ``directory`` is a file or a mount
             point, or another process is saving to it.
+        CheckpointArgumentError: ``on_each_node`` is not a bool.
 
     Example:
         >>> accel.save_model(model, "out", max_shard_size="200MB")
         PosixPath('out')
     """
+    from accel.checkpoint import _nodes
+
     out = Path(directory)
     limit = _parse_size(max_shard_size)
+    each = _nodes.resolve(on_each_node, "save_model")
     tensors = get_state_dict(model)
-    if not state().is_main_process:
+    if not _nodes.writes(each):
         return out
     tensors = _dedupe_shared(tensors, "accel.save_model")
     shards = _shards(tensors, limit)

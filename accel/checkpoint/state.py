@@ -12,6 +12,12 @@ Layout of a checkpoint directory::
 The directory is assembled under a hidden temporary name and renamed into place only after
 every rank's files are written and fsynced and the manifest is written: a killed save leaves
 the previous checkpoint as the latest one.
+
+With ``on_each_node=True`` (machines without a shared filesystem) each machine's local main
+process takes that role for its machine: it holds the lock, writes the objects, the manifest
+(listing the files of its machine's ranks) and renames and rotates its own copy; every rank
+writes its RNG files into its machine's copy. ``load_state`` then reads each machine's copy
+and uses only checkpoints that every machine holds, from one save (the manifests' save id).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -33,30 +40,26 @@ from torch import nn
 from accel._state import scope, state
 from accel.accumulation import _COUNTER as MODEL_COUNTER
 from accel.accumulation import _SCOPE_COUNTER as SCOPE_COUNTER
-from accel.checkpoint._atomic import recover, remove_dir, replace_dir, temp_sibling, writer_lock
-from accel.checkpoint._encode import decode, encode
+from accel.checkpoint import _nodes, _place
+from accel.checkpoint._atomic import remove_dir, replace_dir
 from accel.checkpoint._fit import check_fits
-from accel.checkpoint._format import FileRecord, read_safetensors, write_bytes, write_safetensors
+from accel.checkpoint._format import FileRecord, write_bytes
 from accel.checkpoint._layout import (
     FORMAT,
     MANIFEST,
     candidates,
     check_step,
-    foreign_entries,
-    is_complete,
     latest_checkpoint,
-    lock_path,
     read_manifest,
 )
+from accel.checkpoint._objects import read_object, write_object
 from accel.checkpoint.rng import get_rng_state, set_rng_state
-from accel.collectives import begin, broadcast_object, gather_object
+from accel.collectives import begin, gather_object
 from accel.errors import AccelError, CheckpointError
 from accel.model import unwrap_model
 
 __all__ = ["CheckpointInfo", "latest_checkpoint", "load_state", "save_state"]
 
-_STEP_DIR = re.compile(r"^checkpoint_(\d+)$")
-_LEFTOVER = re.compile(r"^\.(checkpoint_\d+)\.(?:tmp|old|trash)-[0-9a-f]+$")
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RESERVED = frozenset({"manifest", "rng", "grad_scaler"})
 GRAD_SCALER = "grad_scaler"
@@ -112,21 +115,6 @@ def _restore_gradients(module: nn.Module, grads: dict[str, torch.Tensor]) -> Non
             param.grad = grad.to(device=param.device, dtype=param.dtype).clone()
 
 
-def _write_object(
-    tmp: Path, name: str, state_dict: Any, extra: dict[str, Any] | None = None
-) -> list[FileRecord]:
-    tensors: dict[str, torch.Tensor] = {}
-    structure = encode(state_dict, tensors)
-    records = []
-    if tensors:
-        records.append(write_safetensors(tmp / f"{name}.safetensors", tensors, root=tmp))
-    body = json.dumps(
-        {"has_tensors": bool(tensors), "state": structure, "extra": extra or {}}
-    ).encode()
-    records.append(write_bytes(tmp / f"{name}.json", body, root=tmp))
-    return records
-
-
 def _state_dict_of(name: str, obj: Any) -> Any:
     try:
         return obj.state_dict()
@@ -137,23 +125,25 @@ def _state_dict_of(name: str, obj: Any) -> Any:
         ) from exc
 
 
-def _write_rank_files(tmp: Path, objects: dict[str, Any], rank: int) -> list[FileRecord]:
+def _write_rank_files(
+    tmp: Path, objects: dict[str, Any], rank: int, writer: bool
+) -> list[FileRecord]:
     records: list[FileRecord] = []
     for name, obj in objects.items():
         if not isinstance(obj, nn.Module):
-            if rank == 0:
-                records += _write_object(tmp, name, _state_dict_of(name, obj))
+            if writer:
+                records += write_object(tmp, name, _state_dict_of(name, obj))
             continue
         step = _accumulation_step(obj.__dict__, MODEL_COUNTER)  # accumulate() counts on it
         if step:  # mid-cycle: each rank's local, not yet synced, gradients are state too
             grads = _gradients(_unwrap(obj))
             if grads:
-                records += _write_object(tmp, f"{name}{GRADS}_rank{rank}", grads)
-        if rank == 0:
+                records += write_object(tmp, f"{name}{GRADS}_rank{rank}", grads)
+        if writer:
             extra = {"accumulation_step": step}
-            records += _write_object(tmp, name, _state_dict_of(name, _unwrap(obj)), extra)
+            records += write_object(tmp, name, _state_dict_of(name, _unwrap(obj)), extra)
     scope_step = _accumulation_step(scope().extras, SCOPE_COUNTER)
-    records += _write_object(
+    records += write_object(
         tmp, f"rng_rank{rank}", get_rng_state(), {"accumulation_step": scope_step}
     )
     return records
@@ -163,68 +153,12 @@ def _describe(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, AccelError) else f"{type(exc).__name__}: {exc}"
 
 
-def _recover_root(root: Path) -> None:
-    """Repair or remove what killed saves left in a root of numbered checkpoints."""
-    if not root.is_dir():
-        return
-    names = {m.group(1) for n in os.listdir(root) if (m := _LEFTOVER.match(n))}
-    for name in sorted(names):
-        recover(root / name, is_complete)
-
-
-def _prepare_target(directory: str | os.PathLike[str], final: Path, numbered: bool) -> Path:
-    """Under the writer lock: repair leftovers, refuse foreign directories, make the tmp dir."""
-    root = final.parent if numbered else final
-    if numbered:
-        if os.path.lexists(root) and not root.is_dir():
-            raise CheckpointError(
-                f"save_state({os.fspath(directory)!r}, step=...) needs a directory to hold "
-                "`checkpoint_N` directories, but that path is a file. Choose another path."
-            )
-        _recover_root(root)
-    else:
-        recover(final, is_complete)
-    foreign = foreign_entries(final)
-    if foreign:
-        shown = ", ".join(repr(name) for name in foreign[:10])
-        more = f" and {len(foreign) - 10} more" if len(foreign) > 10 else ""
-        raise CheckpointError(
-            f"save_state({os.fspath(directory)!r}) would replace {os.fspath(final)!r}, which "
-            f"holds entries accel did not write: {shown}{more}. accel only replaces its own "
-            "checkpoints. Save numbered checkpoints inside it with "
-            f"`accel.save_state({os.fspath(directory)!r}, step=N, ...)`, or pass a new or "
-            "empty directory."
-        )
-    tmp = temp_sibling(final)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _rotate(root: Path, total_limit: int, keep: Path) -> None:
-    complete = sorted(
-        (int(m.group(1)), root / name)
-        for name in os.listdir(root)
-        if (m := _STEP_DIR.match(name)) and is_complete(root / name)
-    )
-    for _, path in complete[: max(0, len(complete) - total_limit)]:
-        if path == keep:
-            continue
-        foreign = foreign_entries(path)
-        if foreign:
-            warnings.warn(
-                f"save_state(total_limit={total_limit}) keeps {os.fspath(path)!r}: it holds "
-                f"entries accel did not write ({foreign[:5]}). Move them, then delete it.",
-                stacklevel=3,
-            )
-            continue
-        remove_dir(path)
-
-
 def save_state(
     directory: str | os.PathLike[str],
     *,
     step: int | None = None,
     total_limit: int | None = None,
+    on_each_node: bool | None = None,
     **objects: Any,
 ) -> Path:
     """Save every named object, each rank's RNG states and the GradScaler, crash-safely.
@@ -241,6 +175,10 @@ def save_state(
         step: the training step (an ``int >= 0``); names the checkpoint and comes back from
             ``load_state``.
         total_limit: keep at most this many ``checkpoint_N`` directories under ``directory``.
+        on_each_node: each machine's local main process writes a copy on its own disk (for
+            machines without a shared filesystem), holding the objects and its machine's
+            ranks' RNG files; default ``accel.state().on_each_node`` (False: rank 0 writes one
+            copy that every rank can reach).
         **objects: anything with ``state_dict()`` / ``load_state_dict()``, by name.
 
     Returns:
@@ -266,6 +204,8 @@ def save_state(
             "directories) and must be >= 1, e.g. `save_state(root, step=i, total_limit=3, ...)`."
         )
     st = state()
+    each = _nodes.resolve(on_each_node, "save_state")
+    writer, group = _nodes.writes(each), _nodes.group_of(each)
     root = Path(directory)
     numbered = step is not None
     final = root / f"checkpoint_{step}" if numbered else root
@@ -276,60 +216,78 @@ def save_state(
     with ExitStack() as held:
         name: str | None = None
         problem: str | None = None
-        if st.is_main_process:
+        if writer:
             try:
-                held.enter_context(writer_lock(lock_path(root, numbered), repr(where)))
-                name = _prepare_target(directory, final, numbered).name
+                held.enter_context(_place.lock(root, numbered, where, each))
+                name = _place.prepare_target(directory, final, numbered).name
             except Exception as exc:  # every rank must hear of it, not wait for a timeout
                 problem = _describe(exc)
-        name, problem = broadcast_object((name, problem))
-        if problem is not None or name is None:
-            raise CheckpointError(problem or f"save_state({where!r}) failed to start.")
-        tmp = final.with_name(name)
+        save_id = uuid.uuid4().hex if st.is_main_process else None
+        problems, tmp_name, save_id = _nodes.settle_start(
+            gather_object((group, writer, name, problem, save_id)), group
+        )
+        if problems or tmp_name is None:
+            if name is not None:  # this machine got ready, another did not
+                remove_dir(final.with_name(name), owner=final)
+            raise CheckpointError("; ".join(problems) or f"save_state({where!r}) failed to start.")
+        tmp = final.with_name(tmp_name)
         error: str | None = None
         records: list[FileRecord] = []
         try:
-            records = _write_rank_files(tmp, objects, st.rank)
+            records = _write_rank_files(tmp, objects, st.rank, writer)
         except Exception as exc:
             error = _describe(exc)
-        reports = gather_object((st.rank, error, [attrs.astuple(r) for r in records]))
-        failures = [f"rank {r}: {e}" for r, e, _ in reports if e is not None]
-        if st.is_main_process and not failures:
+        reports = gather_object((st.rank, group, error, [attrs.astuple(r) for r in records]))
+        failures = [f"rank {r}: {e}" for r, _, e, _ in reports if e is not None]
+        mine: str | None = None
+        placed = False
+        if writer and not failures:
             try:
-                manifest = _manifest(step, st.world_size, objects, reports)
+                ours = [(r, e, recs) for r, g, e, recs in reports if g == group]
+                manifest = _manifest(step, st.world_size, objects, ours, save_id)
                 write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
                 replace_dir(tmp, final)
+                placed = True
             except Exception as exc:
-                failures.append(f"rank 0: {_describe(exc)}")
+                mine = f"rank {st.rank}: {_describe(exc)}"
             else:
                 if total_limit is not None:
                     try:
-                        _rotate(root, total_limit, final)
+                        _place.rotate(root, total_limit, final)
                     except OSError as exc:
                         warnings.warn(
                             f"save_state: {os.fspath(final)!r} is saved, but removing older "
                             f"checkpoints failed ({exc}); the next save retries.",
                             stacklevel=2,
                         )
-        outcome = broadcast_object(failures)
+        ends = gather_object((mine, placed))
+        outcome = failures + [m for m, _ in ends if m is not None]
         if outcome:
-            if st.is_main_process:
+            if writer:
                 remove_dir(tmp, owner=final)
+            state_of = (
+                "machines where it completed hold the new checkpoint, the others the previous "
+                "one (load_state only loads a checkpoint all machines hold from one save)"
+                if any(p for _, p in ends)
+                else "the previous checkpoint is intact"
+            )
             raise CheckpointError(
-                f"save_state({where!r}) failed; the previous checkpoint is intact. "
-                f"Errors: {'; '.join(outcome)}"
+                f"save_state({where!r}) failed; {state_of}. Errors: {'; '.join(outcome)}"
             )
     return final
 
 
 def _manifest(
-    step: int | None, world_size: int, objects: dict[str, Any], reports: list[Any]
+    step: int | None, world_size: int, objects: dict[str, Any], reports: list[Any],
+    save_id: str,
 ) -> dict[str, Any]:
     return {
         "format": FORMAT,
         "version": 1,
         "step": step,
         "world_size": world_size,
+        "save_id": save_id,
+        "ranks": sorted({r for r, _, _ in reports}),
         "objects": sorted(objects),
         "created": datetime.now(timezone.utc).isoformat(),
         "torch": torch.__version__,
@@ -348,57 +306,6 @@ def _accel_version() -> str:
     return __version__
 
 
-def _read_object(
-    path: Path, name: str, files: dict[str, dict[str, Any]]
-) -> tuple[Any, dict[str, Any]]:
-    meta = files.get(f"{name}.json")
-    if meta is None:
-        raise CheckpointError(f"The checkpoint at {os.fspath(path)!r} lists no {name}.json.")
-    raw = _read_checked(path / f"{name}.json", meta)
-    where = os.fspath(path / f"{name}.json")
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"{where!r} is corrupted: {exc}") from None
-    if not isinstance(body, dict) or "state" not in body:
-        raise CheckpointError(f"{where!r} is corrupted: it holds no 'state'.")
-    tensors: dict[str, torch.Tensor] = {}
-    if body.get("has_tensors"):
-        tensor_meta = files.get(f"{name}.safetensors")
-        tensor_path = path / f"{name}.safetensors"
-        if tensor_meta is None or not tensor_path.is_file():
-            raise CheckpointError(f"Checkpoint file {os.fspath(tensor_path)!r} is missing.")
-        _check_size(tensor_path, tensor_meta)
-        tensors, _ = read_safetensors(tensor_path, expected_crc32=tensor_meta["crc32"])
-    extra = body.get("extra")
-    return decode(body["state"], tensors), extra if isinstance(extra, dict) else {}
-
-
-def _check_size(file: Path, meta: dict[str, Any]) -> None:
-    try:
-        size = file.stat().st_size
-    except OSError:
-        raise CheckpointError(f"Checkpoint file {os.fspath(file)!r} is missing.") from None
-    if size != meta["size"]:
-        raise CheckpointError(
-            f"Checkpoint file {os.fspath(file)!r} has {size} bytes, the manifest says "
-            f"{meta['size']}: it is truncated or corrupted. Load an earlier checkpoint."
-        )
-
-
-def _read_checked(file: Path, meta: dict[str, Any]) -> bytes:
-    import zlib
-
-    _check_size(file, meta)
-    data = file.read_bytes()
-    if zlib.crc32(data) != meta["crc32"]:
-        raise CheckpointError(
-            f"Checkpoint file {os.fspath(file)!r} fails its CRC32 check: it is corrupted. "
-            "Load an earlier checkpoint."
-        )
-    return data
-
-
 @attrs.frozen
 class _Plan:
     """A checkpoint read and verified by one rank, ready to be applied."""
@@ -406,8 +313,9 @@ class _Plan:
     info: CheckpointInfo
     loaded: dict[str, tuple[Any, dict[str, Any]]]
     grad_files: dict[str, str]
-    same_world: bool
-    saved_world: int
+    restore_rng: bool
+    rng_warning: str
+    save_id: str | None
 
 
 def _verify(path: Path, objects: dict[str, Any], rank: int, world_size: int) -> _Plan:
@@ -422,31 +330,50 @@ def _verify(path: Path, objects: dict[str, Any], rank: int, world_size: int) -> 
         )
     files = {f["name"]: f for f in manifest["files"]}
     scaler = scope().grad_scaler
-    same_world = manifest["world_size"] == world_size
+    saved_world = manifest["world_size"]
+    same_world = saved_world == world_size
+    held = manifest.get("ranks")  # whose per-rank files this copy holds (on_each_node)
+    own = same_world and (held is None or rank in held)
     grad_files = {name: f"{name}{GRADS}_rank{rank}" for name in objects}
     has_grads = [name for name in objects if any(f.startswith(f"{name}{GRADS}_") for f in files)]
     if has_grads and not same_world:
         raise CheckpointError(
             f"The checkpoint at {os.fspath(path)!r} was saved in the middle of a gradient "
-            f"accumulation cycle by {manifest['world_size']} processes; its per-rank gradients "
-            f"cannot be split over {world_size}. Resume with {manifest['world_size']} "
+            f"accumulation cycle by {saved_world} processes; its per-rank gradients "
+            f"cannot be split over {world_size}. Resume with {saved_world} "
             "processes, or load a checkpoint saved on a sync step."
+        )
+    if has_grads and not own:
+        raise CheckpointError(
+            f"The checkpoint at {os.fspath(path)!r} was saved in the middle of a gradient "
+            f"accumulation cycle with on_each_node=True, and this machine's copy holds the "
+            f"per-rank gradients of ranks {held}, not of rank {rank}. Resume with the same "
+            "ranks on each machine, or load a checkpoint saved on a sync step."
         )
     wanted = list(objects) + [grad_files[n] for n in has_grads if f"{grad_files[n]}.json" in files]
     if scaler is not None and GRAD_SCALER in saved:
         wanted.append(GRAD_SCALER)
-    if same_world:
+    if own:
         wanted.append(f"rng_rank{rank}")
     # Files are mapped and CRC-checked in parallel (zlib releases the GIL).
     with ThreadPoolExecutor(max_workers=min(len(wanted), os.cpu_count() or 1) or 1) as pool:
-        loaded = dict(zip(wanted, pool.map(lambda n: _read_object(path, n, files), wanted),
+        loaded = dict(zip(wanted, pool.map(lambda n: read_object(path, n, files), wanted),
                           strict=True))
     for name, obj in objects.items():
         check_fits(name, _unwrap(obj), loaded[name][0])
     info = CheckpointInfo(
         path=path, step=manifest["step"], world_size=manifest["world_size"], objects=tuple(saved)
     )
-    return _Plan(info, loaded, grad_files, same_world, manifest["world_size"])
+    rng_warning = (
+        f"The checkpoint was saved by {saved_world} processes and is loaded by {world_size}: "
+        "per-rank RNG states are not restored."
+        if not same_world
+        else f"This machine's copy of {os.fspath(path)!r} (on_each_node=True) holds the RNG "
+        f"states of ranks {held}, not of rank {rank}: its RNG states are not restored."
+    )
+    save_id = manifest.get("save_id")
+    return _Plan(info, loaded, grad_files, own, rng_warning,
+                 save_id if isinstance(save_id, str) else None)
 
 
 def _load_into(name: str, obj: Any, state_dict: Any) -> None:
@@ -476,27 +403,41 @@ def _apply(plan: _Plan, objects: dict[str, Any], world_size: int) -> None:
     scaler = scope().grad_scaler
     if GRAD_SCALER in loaded and scaler is not None:
         scaler.load_state_dict(loaded[GRAD_SCALER][0])
-    if plan.same_world:
+    if plan.restore_rng:
         rng, extra = loaded[rank_file]
         set_rng_state(rng)
         if extra.get("accumulation_step") is not None:
             scope().extras[SCOPE_COUNTER] = extra["accumulation_step"]
     else:
-        warnings.warn(
-            f"The checkpoint was saved by {plan.saved_world} processes and is loaded by "
-            f"{world_size}: per-rank RNG states are not restored.",
-            stacklevel=4,
-        )
+        warnings.warn(plan.rng_warning, stacklevel=4)
 
 
-def _agree(error: str | None) -> list[str]:
-    """Every rank's error (``[]`` when none failed): one collective, the same on all ranks."""
-    return [f"rank {r}: {e}" if state().world_size > 1 else e
-            for r, e in enumerate(gather_object(error)) if e is not None]
+def _agree(error: str | None, save_id: str | None = None, what: str = "") -> list[str]:
+    """Every rank's error (``[]`` when none failed): one collective, the same on all ranks.
+
+    With ``save_id`` (the manifest's, as each rank read it), copies from different saves
+    are an error too: machines' ``on_each_node`` copies where the save completed on some
+    machines only, or a checkpoint replaced while the ranks read it.
+    """
+    reports = gather_object((error, save_id))
+    errors = [f"rank {r}: {e}" if state().world_size > 1 else e
+              for r, (e, _) in enumerate(reports) if e is not None]
+    ids = {i for _, i in reports}
+    if not errors and len(ids) > 1:
+        errors = [
+            f"the ranks read copies of {what} from different saves (save ids "
+            f"{sorted(str(i) for i in ids)}): with on_each_node=True a save completed on some "
+            "machines only, or the checkpoint was replaced while loading"
+        ]
+    return errors
 
 
 def load_state(
-    directory: str | os.PathLike[str], *, missing_ok: bool = False, **objects: Any
+    directory: str | os.PathLike[str],
+    *,
+    missing_ok: bool = False,
+    on_each_node: bool | None = None,
+    **objects: Any,
 ) -> CheckpointInfo | None:
     """Load the newest checkpoint under ``directory`` that verifies into the named objects.
 
@@ -505,12 +446,15 @@ def load_state(
     before any object changes. A root's newest checkpoint that fails these checks is skipped
     with a warning naming it and why, and the next older one is tried; a checkpoint directory
     passed explicitly never falls back. Restores each object, this rank's RNG states (same
-    world size only) and the GradScaler.
+    world size only) and the GradScaler. With ``on_each_node``, each machine reads the copy
+    on its own disk, and only checkpoints that every machine holds from the same save count.
 
     Args:
         directory: a checkpoint, or a root holding ``checkpoint_N`` directories.
         missing_ok: return ``None`` instead of raising when there is no checkpoint at all
             (checkpoints that exist but fail verification always raise).
+        on_each_node: read each machine's own copy (what ``save_state(on_each_node=True)``
+            wrote); default ``accel.state().on_each_node``.
         **objects: the objects to restore, by the names they were saved under.
 
     Returns:
@@ -527,9 +471,25 @@ def load_state(
     begin("load_state")
     _check_objects(objects, "load_state")
     st = state()
+    each = _nodes.resolve(on_each_node, "load_state")
+    writer, group = _nodes.writes(each), _nodes.group_of(each)
     where = os.fspath(directory)
-    found, explicit = candidates(Path(directory)) if st.is_main_process else ([], False)
-    names, explicit = broadcast_object(([os.fspath(p) for p in found], explicit))
+    found, explicit = candidates(Path(directory)) if writer else ([], False)
+    names, explicit, partial = _nodes.agree_candidates(
+        gather_object((group, writer, [os.fspath(p) for p in found], explicit)), group
+    )
+    if partial:
+        if not names:
+            raise CheckpointError(
+                f"No checkpoint at {where!r} is on every machine ({'; '.join(partial)}): "
+                "with on_each_node=True each machine must hold its own copy. Copy the "
+                "checkpoint to the machines that lack it."
+            )
+        warnings.warn(
+            f"load_state({where!r}) skips checkpoints that not every machine holds: "
+            f"{'; '.join(partial)}.",
+            stacklevel=2,
+        )
     if not names:
         if missing_ok:
             return None
@@ -545,7 +505,7 @@ def load_state(
             plan = _verify(Path(name), objects, st.rank, st.world_size)
         except Exception as exc:  # every rank must hear of it, not wait for a timeout
             error = _describe(exc)
-        errors = _agree(error)
+        errors = _agree(error, plan.save_id if plan is not None else None, repr(name))
         if not errors:
             break
         plan = None

@@ -89,6 +89,9 @@ SETTINGS: Mapping[str, _Spec] = {
     "cpu": _Spec("bool", "run on the CPU even where GPUs are available", False),
     "debug": _Spec("bool", "check every collective across ranks first (slower)", False),
     "timeout": _Spec("float", "seconds before a collective gives up", 1800.0, minimum=0.0),
+    "on_each_node": _Spec(
+        "bool", "each machine's first process saves its own copy (no shared filesystem)", False
+    ),
 }
 """Every config key, its type, meaning, default (``None``: decided at run time) and limits."""
 
@@ -308,7 +311,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> dict[str, object]
         The settings the file sets, typed: keys among ``num_machines``, ``num_processes``
         (total), ``machine_rank``, ``main_process_ip``, ``main_process_port``,
         ``max_restarts``, ``mixed_precision``, ``gradient_accumulation_steps``, ``strategy``,
-        ``backend``, ``cpu``, ``debug``, ``timeout``.
+        ``backend``, ``cpu``, ``debug``, ``timeout``, ``on_each_node``.
 
     Raises:
         ConfigError: the named file is missing, unreadable or not UTF-8 text, or a key or
@@ -357,7 +360,7 @@ class Resolved:
 
 def _env_layer(env: LaunchEnv) -> dict[str, object]:
     names = ("mixed_precision", "gradient_accumulation_steps", "strategy", "backend", "cpu",
-             "debug", "timeout")
+             "debug", "timeout", "on_each_node")
     return {name: getattr(env, name) for name in names if getattr(env, name) is not None}
 
 
