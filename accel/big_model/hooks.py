@@ -1,0 +1,293 @@
+"""The forward hooks behind ``dispatch_model``, ``cpu_offload`` and ``disk_offload``.
+
+Everything a forward needs is worked out at dispatch time: each hooked module holds the list
+of its offloaded slots (module attribute + the :class:`Weight` that fills it) and the device
+its inputs go to. A forward then does only what moving weights takes: for each slot, put the
+weight on the execution device (a view of the file or of CPU RAM when that device is the
+CPU: no copy) and, after the forward, put the ``meta`` placeholder back and release the
+memory. The hooks are torch's own forward pre/post hooks, so ``forward`` is never replaced,
+and the post hook runs even when the forward raises (nothing stays loaded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from accel._tree import is_namedtuple
+from accel.big_model.offload import MappedFile
+
+__all__ = ["Dispatch", "ModuleHook", "Slot", "Weight", "find_device", "send_to_device"]
+
+DISPATCH_ATTR = "_accel_dispatch"
+
+
+def send_to_device(data: Any, device: torch.device) -> Any:
+    """``data`` with every tensor moved to ``device`` (nested tuples, lists, dicts)."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device)
+    if isinstance(data, list | tuple):
+        items = [send_to_device(item, device) for item in data]
+        if is_namedtuple(data):
+            return type(data)(*items)
+        return type(data)(items) if isinstance(data, tuple) else items
+    if isinstance(data, Mapping):
+        moved = {key: send_to_device(value, device) for key, value in data.items()}
+        try:
+            return type(data)(moved)  # type: ignore[call-arg]
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return moved
+    return data
+
+
+def find_device(data: Any) -> torch.device | None:
+    """The device of the first tensor in ``data`` (depth first), or ``None``."""
+    if isinstance(data, torch.Tensor):
+        return data.device
+    if isinstance(data, list | tuple):
+        for item in data:
+            found = find_device(item)
+            if found is not None:
+                return found
+    elif isinstance(data, Mapping):
+        for value in data.values():
+            found = find_device(value)
+            if found is not None:
+                return found
+    return None
+
+
+class Weight:
+    """One offloaded tensor (shared by all the names a tied weight has): its bytes at rest
+    (a view of a mapped file, or a CPU tensor) and its ``meta`` placeholder.
+
+    ``load`` puts it on the execution device once however many modules use it at the same
+    time (tied weights); ``unload`` drops it when the last one is done. When the execution
+    device is where the bytes are (the CPU, no cast), the loaded tensor *is* the source, made
+    once: a forward then only counts users and gives the file's pages back after.
+    """
+
+    __slots__ = (
+        "device",
+        "dtype",
+        "file",
+        "is_param",
+        "key",
+        "loaded",
+        "placeholder",
+        "release",
+        "requires_grad",
+        "restore",
+        "source",
+        "static",
+        "users",
+    )
+
+    def __init__(
+        self,
+        source: torch.Tensor,
+        placeholder: torch.Tensor,
+        device: torch.device,
+        *,
+        file: MappedFile | None = None,
+        key: str = "",
+        restore: torch.Tensor | None = None,
+    ) -> None:
+        self.source = source
+        self.restore = restore  # the tensor to put back on removal (a tied resident weight)
+        self.placeholder = placeholder
+        self.device = device
+        self.dtype = placeholder.dtype
+        self.file, self.key = file, key
+        self.release = None if file is None else file.releaser(key)
+        self.is_param = isinstance(placeholder, nn.Parameter)
+        self.requires_grad = placeholder.requires_grad
+        self.static = source.device == device and source.dtype == self.dtype
+        self.loaded: torch.Tensor | None = self._wrap(source) if self.static else None
+        self.users = 0
+
+    def _wrap(self, value: torch.Tensor) -> torch.Tensor:
+        return nn.Parameter(value, requires_grad=self.requires_grad) if self.is_param else value
+
+    def load(self) -> torch.Tensor:
+        """The weight on the execution device (loaded on first use)."""
+        if self.users == 0 and not self.static:
+            self.loaded = self._wrap(self.source.to(device=self.device, dtype=self.dtype))
+            if self.release is not None:
+                self.release()  # copied: the file's pages are not needed any more
+        self.users += 1
+        return self.loaded  # type: ignore[return-value]
+
+    def unload(self) -> None:
+        """One user fewer; at none, drop the loaded tensor and the file's pages."""
+        self.users -= 1
+        if self.users == 0:
+            if not self.static:
+                self.loaded = None
+            elif self.release is not None:
+                self.release()
+
+    def at_rest(self) -> torch.Tensor:
+        """The value on the CPU without loading it: the view itself when no cast is needed."""
+        return self.source.to(dtype=self.dtype)
+
+    def materialize(self) -> torch.Tensor:
+        """A tensor of its own to put back (a copy when the source is a file view)."""
+        if self.restore is not None:
+            return self.restore
+        value = self.at_rest()
+        if self.file is not None and value is self.source:
+            value = value.clone()
+        return self._wrap(value)
+
+
+class Slot:
+    """An attribute of a module filled by an offloaded weight during forwards."""
+
+    __slots__ = ("module", "name", "store", "users", "weight")
+
+    def __init__(self, module: nn.Module, name: str, weight: Weight) -> None:
+        self.module, self.name, self.weight = module, name, weight
+        self.store: dict[str, Any] = module._parameters if weight.is_param else module._buffers
+        self.users = 0
+
+    def fill(self, value: torch.Tensor) -> None:
+        """Put ``value`` in the attribute (as parameter or buffer)."""
+        self.store[self.name] = value
+
+
+def _move_inputs(args: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
+    for arg in args:  # the common case: tensors already there, nothing to rebuild
+        if not isinstance(arg, torch.Tensor) or arg.device != device:
+            return send_to_device(args, device)  # type: ignore[no-any-return]
+    return args
+
+
+class ModuleHook:
+    """The pre/post forward hooks of one module: move inputs to ``device``, load ``slots``
+    before the forward and unload them after; with ``io_same_device``, return the output on
+    the device of the first input tensor."""
+
+    def __init__(
+        self, device: torch.device | None, slots: list[Slot], *, io_same_device: bool = False
+    ) -> None:
+        self.device = device
+        self.slots = tuple(slots)
+        self.io_same_device = io_same_device
+        self.active = 0  # forwards in progress whose pre hook completed
+        self.input_devices: list[torch.device | None] = []
+
+    def pre(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Before the forward: load the slots, move the inputs."""
+        if self.io_same_device:
+            found = find_device(args)
+            self.input_devices.append(found if found is not None else find_device(kwargs))
+        done = 0
+        try:
+            for slot in self.slots:
+                value = slot.weight.load()
+                done += 1
+                slot.users += 1
+                slot.store[slot.name] = value
+        except BaseException:
+            for slot in self.slots[:done]:
+                self._unload(slot)
+            if self.io_same_device:
+                self.input_devices.pop()
+            raise
+        self.active += 1
+        device = self.device
+        if device is None:
+            return None
+        if kwargs:
+            kwargs = send_to_device(kwargs, device)
+        return _move_inputs(args, device), kwargs
+
+    def post(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        """After the forward (also when it raised): unload the slots, move the output."""
+        if self.active == 0:  # the pre hook did not run, or failed and cleaned up
+            return None
+        self.active -= 1
+        for slot in self.slots:
+            self._unload(slot)
+        if self.io_same_device:
+            device = self.input_devices.pop()
+            if device is not None and output is not None:
+                return send_to_device(output, device)
+        return None
+
+    @staticmethod
+    def _unload(slot: Slot) -> None:
+        slot.users -= 1
+        if slot.users == 0:
+            slot.store[slot.name] = slot.weight.placeholder
+        slot.weight.unload()
+
+
+class _StateDictHook:
+    """``state_dict()`` of a module with offloaded slots: the real values (views of the file
+    or the CPU copy), not the ``meta`` placeholders."""
+
+    def __init__(self, slots: list[Slot]) -> None:
+        self.slots = slots
+
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, meta: Any
+    ) -> None:
+        for slot in self.slots:
+            key = prefix + slot.name
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                state_dict[key] = slot.weight.at_rest()
+
+
+@attrs.define(eq=False)
+class Dispatch:
+    """What a dispatch added to a model, so it can be removed exactly."""
+
+    slots: list[Slot] = attrs.field(factory=list)
+    handles: list[RemovableHandle] = attrs.field(factory=list)
+    set_device_map: bool = False
+
+    def install(self, hooks: Mapping[nn.Module, ModuleHook]) -> None:
+        """Register the forward hooks and the ``state_dict`` hooks, fill the placeholders."""
+        owners: dict[nn.Module, list[Slot]] = {}
+        for slot in self.slots:
+            slot.fill(slot.weight.placeholder)
+            owners.setdefault(slot.module, []).append(slot)
+        for module, slots in owners.items():
+            on_save = _StateDictHook(slots)
+            register = module.register_state_dict_post_hook
+            self.handles.append(register(on_save))  # type: ignore[no-untyped-call]
+        for module, hook in hooks.items():
+            pre: Callable[..., Any] = hook.pre
+            self.handles.append(
+                module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+            )
+            self.handles.append(
+                module.register_forward_hook(hook.post, with_kwargs=True, always_call=True)
+            )
+
+    def remove_handles(self) -> None:
+        """Unregister every hook."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def restore(self) -> None:
+        """Put real CPU tensors back in every offloaded slot (one per tied weight)."""
+        values: dict[int, torch.Tensor] = {}
+        for slot in self.slots:
+            key = id(slot.weight)
+            if key not in values:
+                values[key] = slot.weight.materialize()
+            slot.fill(values[key])
