@@ -19,17 +19,24 @@ import torch
 from torch import nn
 
 from accel.big_model.device_map import check_device_map, normalize_device
-from accel.big_model.hooks import DISPATCH_ATTR, Dispatch, ModuleHook, Slot, Weight
+from accel.big_model.hooks import (
+    DISK,
+    DISPATCH_ATTR,
+    Dispatch,
+    Placement,
+    Slot,
+    Weight,
+    covering_entry,
+    plan_hooks,
+    preload_classes,
+)
 from accel.big_model.offload import MappedFile, TensorSource, map_sources, write_offload_file
 from accel.errors import CheckpointError, DeviceMapError
 
 __all__ = ["cpu_offload", "disk_offload", "dispatch_model", "remove_hooks"]
 
-DISK = "disk"
 _CPU = torch.device("cpu")
 _DEVICE_MAP_ATTR = "hf_device_map"
-_PRELOAD: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)  # read children's weights
-Placement = torch.device | str
 
 
 @attrs.define(eq=False)
@@ -53,16 +60,6 @@ class _Tensor:
     is_param: bool
     persistent: bool
     uses: list[_Use] = attrs.field(factory=list)
-
-
-def _entry(device_map: Mapping[str, Placement], name: str) -> str | None:
-    """The device map entry covering ``name``: itself, its closest listed ancestor, or ``""``."""
-    while True:
-        if name in device_map:
-            return name
-        if not name:
-            return None
-        name = name.rpartition(".")[0]
 
 
 def _collect(model: nn.Module) -> tuple[dict[int, _Tensor], dict[str, nn.Module]]:
@@ -200,7 +197,7 @@ def _dispatch(
             if (id(modules[module_name]), attr) in seen:
                 continue
             seen.add((id(modules[module_name]), attr))
-            entry = _entry(device_map, name)
+            entry = covering_entry(device_map, name)
             if entry is None:
                 raise DeviceMapError(
                     f"The device map does not place {name!r}. Add its module (or an "
@@ -290,10 +287,10 @@ def _dispatch(
         for use in t.uses:
             dispatch.slots.append(Slot(use.module, use.attr, weight))
 
-    hooks: dict[nn.Module, ModuleHook] = {}
-    devices = {d for d in device_map.values()}
+    hooks = {}
+    devices = set(device_map.values())
     if force_hooks or len(devices) > 1 or DISK in devices:
-        hooks = _plan_hooks(model, modules, device_map, dispatch.slots, main, offload_cpu, preload)
+        hooks = plan_hooks(model, modules, device_map, dispatch.slots, main, offload_cpu, preload)
     dispatch.install(hooks)
     model.__dict__[DISPATCH_ATTR] = dispatch
     if shown_map is not None:
@@ -316,59 +313,6 @@ def _fill(use: _Use, value: torch.Tensor, is_param: bool) -> None:
         use.module._parameters[use.attr] = value  # type: ignore[assignment]
     else:
         use.module._buffers[use.attr] = value
-
-
-def _is_preload(module: nn.Module, preload: tuple[type[nn.Module] | str, ...]) -> bool:
-    return any(
-        type(module).__name__ == p if isinstance(p, str) else isinstance(module, p) for p in preload
-    )
-
-
-def _plan_hooks(
-    model: nn.Module,
-    modules: Mapping[str, nn.Module],
-    device_map: Mapping[str, Placement],
-    slots: list[Slot],
-    main: torch.device,
-    offload_cpu: bool,
-    preload: tuple[type[nn.Module] | str, ...],
-) -> dict[nn.Module, ModuleHook]:
-    """One hook per module that needs one: the model (inputs to ``main``, output back to the
-    input's device), each map entry (inputs to its execution device), each module whose
-    offloaded weights it loads (itself, or everything under a ``preload`` module)."""
-    names = {id(m): n for n, m in reversed(list(modules.items()))}  # first name wins
-    preload_roots = [n for n, m in modules.items() if _is_preload(m, preload) and names[id(m)] == n]
-
-    def loader(name: str) -> str:
-        for root in preload_roots:
-            if name == root or not root or name.startswith(root + "."):
-                return root
-        return name
-
-    def exec_device(name: str) -> torch.device | None:
-        entry = _entry(device_map, name)
-        if entry is None:
-            return None
-        where = device_map[entry]
-        if where == DISK or (where == _CPU and offload_cpu):
-            return main
-        return torch.device(where)
-
-    by_loader: dict[str, list[Slot]] = {}
-    for slot in slots:
-        by_loader.setdefault(loader(names[id(slot.module)]), []).append(slot)
-    hooked = {""} | {n for n in device_map if n in modules} | set(by_loader)
-    hooks: dict[nn.Module, ModuleHook] = {}
-    for name in sorted(hooked, key=lambda n: (n.count("."), n)):
-        module = modules[name]
-        if module in hooks:
-            continue
-        device = main if name == "" else exec_device(name)
-        group = by_loader.get(name, [])
-        if device is None and group:
-            device = group[0].weight.device
-        hooks[module] = ModuleHook(device, group, io_same_device=module is model)
-    return hooks
 
 
 def _main_device(device_map: Mapping[str, Placement]) -> torch.device:
@@ -429,7 +373,7 @@ def dispatch_model(
         offload_dir=offload_dir,
         sources=None,
         offload_buffers=offload_buffers,
-        preload=_preload(preload_module_classes),
+        preload=preload_classes(preload_module_classes),
         force_hooks=False,
         shown_map=device_map,
     )
@@ -479,23 +423,10 @@ def dispatch_with_sources(
         offload_dir=offload_dir,
         sources=sources,
         offload_buffers=offload_buffers,
-        preload=_preload(preload_module_classes),
+        preload=preload_classes(preload_module_classes),
         force_hooks=False,
         shown_map=device_map,
     )
-
-
-def _preload(classes: Iterable[type[nn.Module] | str] | None) -> tuple[type[nn.Module] | str, ...]:
-    extra = tuple(classes or ())
-    for item in extra:
-        if not isinstance(item, str) and not (
-            isinstance(item, type) and issubclass(item, nn.Module)
-        ):
-            raise DeviceMapError(
-                f"preload_module_classes holds {item!r}, which is neither an nn.Module class "
-                "nor a class name. Pass e.g. `preload_module_classes=['MyBlock']`."
-            )
-    return _PRELOAD + extra
 
 
 def _execution_device(model: nn.Module, value: torch.device | str | int | None) -> torch.device:
@@ -549,7 +480,7 @@ def cpu_offload(
         offload_dir=None,
         sources=None,
         offload_buffers=offload_buffers,
-        preload=_preload(preload_module_classes),
+        preload=preload_classes(preload_module_classes),
         force_hooks=True,
         shown_map=None,
     )
@@ -593,7 +524,7 @@ def disk_offload(
         offload_dir=offload_dir,
         sources=None,
         offload_buffers=offload_buffers,
-        preload=_preload(preload_module_classes),
+        preload=preload_classes(preload_module_classes),
         force_hooks=True,
         shown_map=None,
     )

@@ -11,7 +11,7 @@ and the post hook runs even when the forward raises (nothing stays loaded).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -21,10 +21,25 @@ from torch.utils.hooks import RemovableHandle
 
 from accel._tree import is_namedtuple
 from accel.big_model.offload import MappedFile
+from accel.errors import DeviceMapError
 
-__all__ = ["Dispatch", "ModuleHook", "Slot", "Weight", "find_device", "send_to_device"]
+__all__ = [
+    "Dispatch",
+    "ModuleHook",
+    "Slot",
+    "Weight",
+    "covering_entry",
+    "find_device",
+    "plan_hooks",
+    "preload_classes",
+    "send_to_device",
+]
 
 DISPATCH_ATTR = "_accel_dispatch"
+DISK = "disk"
+Placement = torch.device | str  # a device, or "disk"
+_CPU = torch.device("cpu")
+_PRELOAD: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)  # reads its child's weights
 
 
 def send_to_device(data: Any, device: torch.device) -> Any:
@@ -256,7 +271,6 @@ class Dispatch:
 
     slots: list[Slot] = attrs.field(factory=list)
     handles: list[RemovableHandle] = attrs.field(factory=list)
-    set_device_map: bool = False
 
     def install(self, hooks: Mapping[nn.Module, ModuleHook]) -> None:
         """Register the forward hooks and the ``state_dict`` hooks, fill the placeholders."""
@@ -291,3 +305,82 @@ class Dispatch:
             if key not in values:
                 values[key] = slot.weight.materialize()
             slot.fill(values[key])
+
+
+def covering_entry(device_map: Mapping[str, Placement], name: str) -> str | None:
+    """The device map entry covering ``name``: itself, its closest listed ancestor, or ``""``."""
+    while True:
+        if name in device_map:
+            return name
+        if not name:
+            return None
+        name = name.rpartition(".")[0]
+
+
+def preload_classes(
+    classes: Iterable[type[nn.Module] | str] | None,
+) -> tuple[type[nn.Module] | str, ...]:
+    """``nn.MultiheadAttention`` and ``classes`` (checked): modules that load their subtree."""
+    extra = tuple(classes or ())
+    for item in extra:
+        if not isinstance(item, str) and not (
+            isinstance(item, type) and issubclass(item, nn.Module)
+        ):
+            raise DeviceMapError(
+                f"preload_module_classes holds {item!r}, which is neither an nn.Module class "
+                "nor a class name. Pass e.g. `preload_module_classes=['MyBlock']`."
+            )
+    return _PRELOAD + extra
+
+
+def _is_preload(module: nn.Module, preload: tuple[type[nn.Module] | str, ...]) -> bool:
+    return any(
+        type(module).__name__ == p if isinstance(p, str) else isinstance(module, p) for p in preload
+    )
+
+
+def plan_hooks(
+    model: nn.Module,
+    modules: Mapping[str, nn.Module],
+    device_map: Mapping[str, Placement],
+    slots: list[Slot],
+    main: torch.device,
+    offload_cpu: bool,
+    preload: tuple[type[nn.Module] | str, ...],
+) -> dict[nn.Module, ModuleHook]:
+    """One hook per module that needs one: the model (inputs to ``main``, output back to the
+    input's device), each map entry (inputs to its execution device), each module whose
+    offloaded weights it loads (itself, or everything under a ``preload`` module)."""
+    names = {id(m): n for n, m in reversed(list(modules.items()))}  # first name wins
+    preload_roots = [n for n, m in modules.items() if _is_preload(m, preload) and names[id(m)] == n]
+
+    def loader(name: str) -> str:
+        for root in preload_roots:
+            if name == root or not root or name.startswith(root + "."):
+                return root
+        return name
+
+    def exec_device(name: str) -> torch.device | None:
+        entry = covering_entry(device_map, name)
+        if entry is None:
+            return None
+        where = device_map[entry]
+        if where == DISK or (where == _CPU and offload_cpu):
+            return main
+        return torch.device(where)
+
+    by_loader: dict[str, list[Slot]] = {}
+    for slot in slots:
+        by_loader.setdefault(loader(names[id(slot.module)]), []).append(slot)
+    hooked = {""} | {n for n in device_map if n in modules} | set(by_loader)
+    hooks: dict[nn.Module, ModuleHook] = {}
+    for name in sorted(hooked, key=lambda n: (n.count("."), n)):
+        module = modules[name]
+        if module in hooks:
+            continue
+        device = main if name == "" else exec_device(name)
+        group = by_loader.get(name, [])
+        if device is None and group:
+            device = group[0].weight.device
+        hooks[module] = ModuleHook(device, group, io_same_device=module is model)
+    return hooks

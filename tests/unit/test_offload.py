@@ -126,6 +126,8 @@ def test_sources_cast_to_dtype(tmp_path: Path) -> None:
         out = meta(_ids())
     assert out[0].dtype == torch.float64
     _same(out, ref)
+    with torch.inference_mode():  # the cast copy is made inside inference mode
+        _same(meta(_ids()), ref)
     assert meta.state_dict()["body.0.weight"].dtype == torch.float64
 
 
