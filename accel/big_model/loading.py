@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from accel.big_model.device_map import resolve_device_map
+from accel.big_model.dispatch import dispatch_with_sources
+from accel.big_model.offload import TensorSource, write_offload_file
+from accel.checkpoint import _stream
+from accel.checkpoint.model_io import _checkpoint_files, _resolve
+from accel.errors import CheckpointError, DeviceMapError
+
 __all__ = ["load_checkpoint_and_dispatch"]
+
+
+def _public(device_map: Mapping[str, torch.device | str]) -> dict[str, int | str]:
+    """A normalized map written the way Accelerate's ``hf_device_map`` writes it: GPU
+    indices as ints, ``"cpu"``, ``"disk"``."""
+    out: dict[str, int | str] = {}
+    for name, where in device_map.items():
+        if isinstance(where, torch.device) and where.type == "cuda" and where.index is not None:
+            out[name] = where.index
+        else:
+            out[name] = str(where)
+    return out
 
 
 def load_checkpoint_and_dispatch(
@@ -19,7 +40,119 @@ def load_checkpoint_and_dispatch(
     max_memory: Mapping[int | str, int | str] | None = None,
     no_split_module_classes: Iterable[type[nn.Module] | str] | None = None,
     offload_folder: str | os.PathLike[str] | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> nn.Module:
-    """TODO (helper B)."""
-    raise NotImplementedError
+    """Load a checkpoint into ``model`` file by file, placing each tensor by a device map.
+
+    ``model`` is typically built under ``accel.init_empty_weights()``. ``checkpoint`` is a
+    ``.safetensors`` file, a torch file (``torch.save`` output or ``pytorch_model.bin``, read
+    with ``weights_only=True``: no code in it runs), an ``*.index.json``, or a directory
+    holding ``model.safetensors``, ``pytorch_model.bin`` or a sharded index.
+
+    The device map is resolved first (``"auto"``/``"balanced"``, ``"sequential"``, or an
+    explicit ``{module name: device}``), then everything is checked against the checkpoint
+    before the model changes. The files are read one at a time: each tensor is made on its
+    device directly, so memory peaks at the model's resident size plus one file. Weights
+    mapped to ``"disk"`` are not read when the file is safetensors: the shard is memory-mapped
+    in place at run time. A torch file's disk weights are written to ``offload_folder`` as
+    safetensors. Forward hooks then move offloaded weights to the execution device for each
+    forward (skipped when the whole model sits on one device); ``model.hf_device_map`` records
+    the map as Accelerate writes it. Tied weights stay tied.
+
+    CPU weights from safetensors are views of the file's private (copy-on-write) memory map,
+    as with ``safetensors`` itself: replace a checkpoint by writing a new file and renaming
+    it (``accel.save`` and ``save_model`` do) rather than overwriting it in place while a
+    model loaded from it is alive.
+
+    Args:
+        model: The model to load into.
+        checkpoint: Where the weights are.
+        device_map: ``"auto"``, ``"balanced"``, ``"sequential"``, an explicit map, or
+            ``None`` to load every tensor where it is (``meta`` ones on the CPU), no hooks.
+        max_memory: Budgets per device (``0``, ``1``, ..., ``"cpu"``, ``"disk"``) in bytes or
+            strings such as ``"10GiB"``; defaults to what is free.
+        no_split_module_classes: Module classes (or their names) never split across devices.
+        offload_folder: Where disk weights from torch files are written.
+        dtype: Cast floating tensors to it (integers keep theirs).
+
+    Returns:
+        ``model``, loaded and dispatched.
+
+    Raises:
+        DeviceMapError: a bad ``device_map`` or ``max_memory``, or disk weights that must be
+            written while ``offload_folder`` is None.
+        CheckpointError: no weights at ``checkpoint``, a missing, corrupted or refused file,
+            a tensor of the model the checkpoint lacks, or a shape mismatch. Unexpected keys
+            are a warning.
+
+    Example:
+        >>> with accel.init_empty_weights():
+        ...     model = MyModel()
+        >>> model = accel.load_checkpoint_and_dispatch(model, "ckpt", device_map="auto",
+        ...                                            offload_folder="offload")
+    """
+    cast = _stream.as_dtype(dtype)
+    placed = None
+    if device_map is not None:
+        placed = resolve_device_map(
+            model,
+            device_map,
+            max_memory=max_memory,
+            no_split_module_classes=no_split_module_classes,
+            dtype=cast,
+        )
+    where = os.fspath(checkpoint)
+    files = _checkpoint_files(_resolve(Path(checkpoint)))
+    placer = _stream.in_place if placed is None else _stream.where_mapped(placed)
+    plan = _stream.plan_load(model, files, placer=placer, dtype=cast)
+    left = plan.left_on_meta()
+    if left:
+        raise CheckpointError(
+            f"Checkpoint {where!r} has no weights for {_stream.show(left)} of the model: they "
+            "would stay on the meta device and the model could not run. Check that the "
+            f"checkpoint was saved from this model (keys it has but the model does not: "
+            f"{_stream.show(plan.unexpected)}); buffers that are not saved must be built "
+            "with real values (keep `include_buffers=False` in init_empty_weights)."
+        )
+    if plan.missing:
+        warnings.warn(
+            f"Checkpoint {where!r} has no weights for {_stream.show(plan.missing)}; they keep "
+            "the values the model was built with.",
+            stacklevel=2,
+        )
+    if plan.unexpected:
+        warnings.warn(
+            f"Checkpoint {where!r} holds tensors the model does not have; they were not "
+            f"loaded: {_stream.show(plan.unexpected)}.",
+            stacklevel=2,
+        )
+    pending = plan.to_write()
+    if pending and offload_folder is None:
+        modules = sorted({n for n, d in (placed or {}).items() if d == _stream.DISK})
+        raise DeviceMapError(
+            f"The device map puts {_stream.show(modules)} on 'disk', and weights "
+            f"{_stream.show(pending)} must be written there (they come from a torch file, "
+            "which cannot be mapped in place) but offload_folder is None. Pass "
+            "`offload_folder='offload'` (any directory), or save the checkpoint as "
+            "safetensors (`accel.save_model(model, dir)`) so it is mapped where it is."
+        )
+    def write(name: str, tensors: dict[str, torch.Tensor]) -> Path:
+        assert offload_folder is not None
+        return write_offload_file(offload_folder, tensors, name=name).path
+
+    sources = _stream.stream(plan, write=None if offload_folder is None else write)
+    if placed is None:
+        return model
+    devices = set(placed.values())
+    if len(devices) == 1 and _stream.DISK not in devices:
+        model.to(next(iter(devices)))  # every tensor is there already: moves nothing else
+    else:
+        dispatch_with_sources(
+            model,
+            placed,
+            {k: TensorSource(s.path, s.key, s.dtype) for k, s in sources.items()},
+            offload_dir=offload_folder,
+        )
+    shown = dict(device_map) if isinstance(device_map, Mapping) else _public(placed)
+    setattr(model, "hf_device_map", shown)  # noqa: B010 - Module.__setattr__ is typed for tensors
+    return model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,12 +72,6 @@ def _write_shard(shard: dict[str, torch.Tensor], safe: bool, path: Path) -> None
         write_safetensors(path, shard, metadata={"format": "pt"})
     else:
         _torch_save(path, {k: v.cpu() for k, v in shard.items()})
-
-
-def _is_tensor_dict(obj: Any) -> bool:
-    return isinstance(obj, Mapping) and all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
-    )
 
 
 def _dedupe_shared(tensors: Mapping[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
@@ -360,6 +354,14 @@ def _checkpoint_files(checkpoint: Path) -> list[Path]:
         for single in (SAFE_WEIGHTS, TORCH_WEIGHTS):
             if (checkpoint / single).is_file():
                 return [checkpoint / single]
+        indexes = sorted(p for p in checkpoint.glob("*.index.json") if p.is_file())
+        if len(indexes) == 1:  # another library's name for the index, as Accelerate reads
+            return _index_files(indexes[0])
+        if len(indexes) > 1:
+            raise CheckpointError(
+                f"{os.fspath(checkpoint)!r} holds several indexes "
+                f"{[p.name for p in indexes]!r}; pass the one to load."
+            )
     raise CheckpointError(
         f"No weights at {os.fspath(checkpoint)!r}: expected a .safetensors/.bin file, an "
         f"index.json, or a directory holding {SAFE_WEIGHTS}, {SAFE_INDEX}, {TORCH_WEIGHTS} or "
@@ -367,96 +369,116 @@ def _checkpoint_files(checkpoint: Path) -> list[Path]:
     )
 
 
-def _iter_file(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    if path.suffix == ".safetensors":
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(os.fspath(path), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    yield key, f.get_tensor(key)
-        except SafetensorError as exc:
-            raise CheckpointError(f"Weights file {os.fspath(path)!r} is corrupted: {exc}") from None
-        return
-    try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError) as exc:  # torch reports bad archives this way
-        raise CheckpointError(f"Weights file {os.fspath(path)!r} is corrupted: {exc}") from None
-    if not _is_tensor_dict(loaded):
-        raise CheckpointError(f"{os.fspath(path)!r} does not hold a state dict of tensors.")
-    yield from loaded.items()
-
-
 def _read_into(
-    target: nn.Module, files: list[Path], dtype: torch.dtype | None
-) -> tuple[set[str], list[str]]:
-    """Load ``files`` into ``target`` one at a time; return the missing and unexpected keys."""
-    own = target.state_dict()
-    missing = set(own)
-    unexpected: list[str] = []
-    for file in files:
-        if not file.is_file():
-            raise CheckpointError(
-                f"Weights file {os.fspath(file)!r} named by the index is missing."
-            )
-        part: dict[str, torch.Tensor] = {}
-        cast: dict[str, torch.Tensor] = {}  # placed as the new parameters: their dtype changes
-        for key, tensor in _iter_file(file):
-            if key not in own:
-                unexpected.append(key)
-                continue
-            if dtype is not None and tensor.is_floating_point():
-                cast[key] = tensor.to(device=own[key].device, dtype=dtype)
-            else:
-                part[key] = tensor
-            missing.discard(key)
-        target.load_state_dict(part, strict=False)
-        if cast:
-            target.load_state_dict(cast, strict=False, assign=True)
-        del part, cast
-    return missing, unexpected
+    target: nn.Module,
+    files: list[Path],
+    *,
+    device_map: Mapping[str, torch.device | str] | None,
+    dtype: torch.dtype | None,
+    strict: bool,
+    where: str,
+) -> None:
+    """Check ``files`` against ``target`` (nothing changes on a mismatch), then stream them."""
+    from accel.checkpoint import _stream
+
+    placer = _stream.in_place if device_map is None else _stream.where_mapped(device_map)
+    plan = _stream.plan_load(target, files, placer=placer, dtype=dtype)
+    if strict and (plan.missing or plan.unexpected):
+        raise CheckpointError(
+            f"Checkpoint {where!r} does not match the model: missing keys "
+            f"{_stream.show(plan.missing)}, unexpected keys {_stream.show(plan.unexpected)}. "
+            "Pass `strict=False` to load what matches."
+        )
+    if plan.unexpected:
+        warnings.warn(
+            f"Checkpoint {where!r} holds tensors the model does not have; they were not "
+            f"loaded: {_stream.show(plan.unexpected)}.",
+            stacklevel=3,
+        )
+    left = plan.left_on_meta()
+    if left:
+        warnings.warn(
+            f"Checkpoint {where!r} has no weights for {_stream.show(left)}; they stay on the "
+            "meta device, and the model cannot run until they are loaded.",
+            stacklevel=3,
+        )
+    _stream.stream(plan)
 
 
 def load_checkpoint_in_model(
     model: nn.Module,
     checkpoint: str | os.PathLike[str],
     *,
-    device_map: Mapping[str, str | int | torch.device] | None = None,
-    dtype: torch.dtype | None = None,
+    device_map: str | Mapping[str, str | int | torch.device] | None = None,
+    dtype: torch.dtype | str | None = None,
     strict: bool = False,
 ) -> nn.Module:
     """Load weights from a file, a folder or an index into ``model``, one file at a time.
 
-    Reads safetensors, or torch ``.bin`` files with ``weights_only=True`` (no code runs).
-    Floating tensors are cast to ``dtype`` when given. ``device_map`` maps submodule names to
-    devices to move them to after loading. With ``strict``, missing or unexpected keys raise.
-    An index is checked before anything is loaded: its ``weight_map`` must name plain files
-    in the index's directory.
+    ``checkpoint`` is a ``.safetensors`` file, a torch file (``torch.save`` output or
+    ``pytorch_model.bin``, read with ``weights_only=True``: no code in it runs), an
+    ``*.index.json`` of shards, or a directory holding one of these (the layout
+    ``save_model`` and ``transformers`` write). The files are read one after the other, and
+    everything is checked first (keys, shapes, the index's file names), so a load that fails
+    leaves the model as it was.
+
+    Tensors already allocated on their device are overwritten in place. Tensors on ``meta``
+    (a model built under ``accel.init_empty_weights()``) become real ones without a second
+    copy; on the CPU, safetensors weights stay views of the file's private memory map, as
+    with ``safetensors.torch.load_file``, so replace a checkpoint by writing a new file (as
+    ``accel.save`` and ``save_model`` do) rather than overwriting it in place while a model
+    loaded from it is alive. Tied weights stay tied, even when the checkpoint holds only one
+    of their names.
+
+    Args:
+        model: The model (or a DDP wrapper of it) to load into.
+        checkpoint: Where the weights are.
+        device_map: ``{module name: device}`` (or ``"auto"``, ``"balanced"``,
+            ``"sequential"``); each tensor is read straight to its device. ``"disk"`` needs
+            hooks: use ``accel.load_checkpoint_and_dispatch``.
+        dtype: Cast floating tensors to it (integers keep theirs).
+        strict: Raise on missing or unexpected keys instead of warning about them.
+
+    Returns:
+        ``model``.
 
     Raises:
         CheckpointError: no weights at ``checkpoint``, a malformed index or one naming a path
-            outside its directory, a missing or corrupted file, or (``strict``) a key mismatch.
+            outside its directory, a missing, corrupted or refused file (a torch pickle with
+            anything but tensors), a shape mismatch, or (``strict``) a key mismatch.
+        DeviceMapError: a bad ``device_map``, or one that puts something on ``"disk"``.
 
     Example:
         >>> accel.load_checkpoint_in_model(model, "out")   # the folder save_model wrote
     """
+    from accel.checkpoint._stream import DISK, as_dtype
+    from accel.errors import DeviceMapError
+
     target = unwrap_model(model)
+    cast = as_dtype(dtype)
+    placed: dict[str, torch.device | str] | None = None
+    if device_map is not None:
+        from accel.big_model.device_map import resolve_device_map
+
+        placed = resolve_device_map(target, device_map, dtype=cast)
+        on_disk = [name for name, where in placed.items() if where == DISK]
+        if on_disk:
+            raise DeviceMapError(
+                f"device_map puts {on_disk!r} on 'disk'; load_checkpoint_in_model cannot run "
+                "a model from disk. Use `accel.load_checkpoint_and_dispatch(model, checkpoint, "
+                "device_map=..., offload_folder=...)`, which adds the hooks that do."
+            )
+    def read(at: Path) -> None:
+        files = _checkpoint_files(at)
+        where = os.fspath(checkpoint)
+        _read_into(target, files, device_map=placed, dtype=cast, strict=strict, where=where)
+
     path = Path(checkpoint)
     source = _resolve(path)
     try:
-        missing, unexpected = _read_into(target, _checkpoint_files(source), dtype)
+        read(source)
     except (CheckpointError, OSError):
         if source == path or not os.path.lexists(path):
             raise
-        # the old copy was put back in place meanwhile (by a save): read it there
-        missing, unexpected = _read_into(target, _checkpoint_files(path), dtype)
-    if strict and (missing or unexpected):
-        raise CheckpointError(
-            f"Checkpoint {os.fspath(checkpoint)!r} does not match the model: missing keys "
-            f"{sorted(missing)[:10]}, unexpected keys {unexpected[:10]}. Pass `strict=False` "
-            "to load what matches."
-        )
-    for name, device in (device_map or {}).items():
-        module = target.get_submodule(name) if name else target
-        module.to(device if not isinstance(device, int) else torch.device("cuda", device))
+        read(path)  # the old copy was put back in place meanwhile (by a save): read it there
     return model
