@@ -1,76 +1,454 @@
-"""Device maps: place whole submodules on GPUs, ``"cpu"`` and ``"disk"`` within budgets."""
+"""Device maps: place whole submodules on GPUs, ``"cpu"`` and ``"disk"`` within budgets.
+
+The planner follows Accelerate's ``infer_auto_device_map`` so that maps ported from it come
+out the same: walk the model's direct parameters, children and buffers in order and fill the
+devices one after the other (GPUs by index, then ``"cpu"``, then ``"disk"``). A module that
+does not fit is replaced by its direct parameters and children, unless its class is in
+``no_split_module_classes``; then it goes to the next device. Parameters tied across modules
+travel together. The main devices (the first GPU and the CPU, or the CPU alone) keep room for
+the largest remaining layer, which offloaded layers are brought into for their forward.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from accel._sizes import parse_size
+from accel.errors import DeviceMapError
+
 __all__ = ["get_balanced_memory", "infer_auto_device_map"]
+
+DeviceKey = int | str  # a GPU index, "cpu" or "disk"
+Placement = torch.device | str  # a torch.device, or "disk"
+_CHOICES = ("auto", "balanced", "balanced_low_0", "sequential")
+_RAM_SHARE = 0.9  # default "cpu" budget: this share of the available RAM
+
+
+def normalize_device(value: object) -> Placement:
+    """A device map value as a ``torch.device`` (``0`` -> ``cuda:0``), or ``"disk"``.
+
+    Example:
+        >>> normalize_device(0), normalize_device("cpu"), normalize_device("disk")
+        (device(type='cuda', index=0), device(type='cpu'), 'disk')
+    """
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return torch.device("cuda", value)
+    if value == "disk":
+        return "disk"
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except (RuntimeError, ValueError):
+            pass
+    raise DeviceMapError(
+        f"{value!r} is not a device for a device map; use a GPU index (0, 1, ...), a device "
+        "string such as 'cpu' or 'cuda:1', a torch.device, or 'disk'."
+    )
+
+
+def _budget_key(key: object) -> DeviceKey:
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    if key in ("cpu", "disk"):
+        return str(key)
+    if isinstance(key, str):
+        text = key.removeprefix("cuda:")
+        if text.isdigit():
+            return int(text)
+    raise DeviceMapError(
+        f"max_memory has the key {key!r}; keys are GPU indices (0, 1, ... or 'cuda:0'), "
+        "'cpu' and 'disk', e.g. max_memory={0: '10GiB', 'cpu': '30GiB'}."
+    )
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def parse_max_memory(max_memory: Mapping[Any, int | str] | None) -> dict[DeviceKey, int]:
+    """Budgets in bytes, GPUs in index order, then ``"cpu"``, then ``"disk"``.
+
+    ``None`` means every visible GPU's free memory and 90% of the available RAM. A given
+    mapping is taken as it is (devices it leaves out get nothing), as in Accelerate.
+
+    Example:
+        >>> parse_max_memory({"cpu": "200MB", 0: "1GiB"})
+        {0: 1073741824, 'cpu': 200000000}
+    """
+    if max_memory is None:
+        budgets: dict[DeviceKey, int] = {}
+        if torch.cuda.is_available():
+            for index in range(torch.cuda.device_count()):
+                budgets[index] = int(torch.cuda.mem_get_info(index)[0])
+        budgets["cpu"] = int(_available_ram() * _RAM_SHARE)
+        return budgets
+    if not isinstance(max_memory, Mapping):
+        raise DeviceMapError(
+            f"max_memory={max_memory!r} is not a mapping; give device -> size, e.g. "
+            "{0: '10GiB', 'cpu': '30GiB'}."
+        )
+    parsed: dict[DeviceKey, int] = {}
+    for key, value in max_memory.items():
+        device = _budget_key(key)
+        size = parse_size(value)
+        if size is None:
+            raise DeviceMapError(
+                f"max_memory[{key!r}]={value!r} is not a size; give bytes (an int >= 0) or a "
+                "string such as '200MB', '10GiB' or '1.5GB'."
+            )
+        parsed[device] = size
+    gpus = sorted(k for k in parsed if isinstance(k, int))
+    return {k: parsed[k] for k in [*gpus, "cpu", "disk"] if k in parsed}
+
+
+def _class_names(classes: Iterable[type[nn.Module] | str] | str | None) -> set[str]:
+    if classes is None:
+        return set()
+    if isinstance(classes, (str, type)):
+        classes = [classes]
+    names = set()
+    for item in classes:
+        if isinstance(item, type):
+            names.add(item.__name__)
+        elif isinstance(item, str):
+            names.add(item)
+        else:
+            raise DeviceMapError(
+                f"no_split_module_classes holds {item!r}; give module classes or class names, "
+                "e.g. [Block] or ['Block']."
+            )
+    return names
+
+
+def module_sizes(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, int]:
+    """Bytes under every module and tensor name (``""`` is the whole model).
+
+    Each tensor counts once (tied parameters under their first name); floating tensors are
+    counted in ``dtype`` when it is smaller than their own.
+    """
+    sizes: dict[str, int] = {}
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in tensors:
+        itemsize = tensor.element_size()
+        if dtype is not None and tensor.is_floating_point():
+            itemsize = min(itemsize, dtype.itemsize)
+        size = tensor.numel() * itemsize
+        parts = name.split(".")
+        for depth in range(len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            sizes[prefix] = sizes.get(prefix, 0) + size
+    return sizes
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one object reachable under several names."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+Item = tuple[str, nn.Module | torch.Tensor]
+
+
+def _direct(module: nn.Module, prefix: str = "", *, buffers: bool = True) -> list[Item]:
+    """A module's direct parameters, children (and buffers), with full names."""
+    dot = f"{prefix}." if prefix else ""
+    items: list[Item] = [(dot + n, p) for n, p in module.named_parameters(recurse=False)]
+    items += [(dot + n, m) for n, m in module.named_children()]
+    if buffers:
+        items += [(dot + n, b) for n, b in module.named_buffers(recurse=False)]
+    return items
+
+
+def _splittable(obj: nn.Module | torch.Tensor, no_split: set[str]) -> bool:
+    return (
+        isinstance(obj, nn.Module)
+        and any(True for _ in obj.children())
+        and type(obj).__name__ not in no_split
+    )
+
+
+def _largest_layer(
+    items: list[Item], sizes: dict[str, int], no_split: set[str]
+) -> tuple[int, list[str]]:
+    """The size of the largest unsplittable module among ``items``, and the names reaching it."""
+    best, names = 0, []
+    stack = [(n, m) for n, m in items if isinstance(m, nn.Module)]
+    while stack:
+        name, module = stack.pop(0)
+        if _splittable(module, no_split):
+            stack = [(n, m) for n, m in _direct(module, name, buffers=False)
+                     if isinstance(m, nn.Module)] + stack
+            continue
+        size = sizes.get(name, 0)
+        if size > best:
+            best, names = size, [name]
+        elif size == best:
+            names.append(name)
+    return best, names
+
+
+def _inside(name: str, prefix: str) -> bool:
+    return (name + ".").startswith(prefix + ".")
+
+
+def _merge(device_map: dict[str, DeviceKey], prefix: str = "") -> dict[str, DeviceKey]:
+    """Collapse every module whose entries all share one device into one entry, recursively."""
+    under = [k for k in device_map if not prefix or _inside(k, prefix)]
+    values = {device_map[k] for k in under}
+    if len(values) == 1 and len(under) > 1:
+        value = device_map[under[0]]
+        for k in under:
+            del device_map[k]
+        device_map[prefix] = value
+        return device_map
+    depth = len(prefix.split(".")) + 1 if prefix else 1
+    children = {".".join(k.split(".")[:depth]) for k in under if len(k) > len(prefix)}
+    for child in sorted(children):
+        _merge(device_map, child)
+    return device_map
 
 
 def infer_auto_device_map(
     model: nn.Module,
     *,
-    max_memory: Mapping[int | str, int | str] | None = None,
-    no_split_module_classes: Iterable[type[nn.Module] | str] | None = None,
+    max_memory: Mapping[Any, int | str] | None = None,
+    no_split_module_classes: Iterable[type[nn.Module] | str] | str | None = None,
     dtype: torch.dtype | None = None,
-) -> dict[str, int | str]:
-    """TODO (helper A)."""
-    raise NotImplementedError
+) -> dict[str, DeviceKey]:
+    """Plan where each submodule goes: GPUs in order, then ``"cpu"``, then ``"disk"``.
+
+    Works on a model built with ``init_empty_weights`` (only shapes and dtypes are read).
+    Modules are split into their children only when they do not fit and their class is not
+    in ``no_split_module_classes``; tied parameters stay on one device; the first GPU and the
+    CPU keep room for the largest layer that offloaded modules are brought into.
+
+    Args:
+        model: the model to place.
+        max_memory: bytes or size strings per device (``{0: "10GiB", "cpu": "30GiB"}``);
+            default every GPU's free memory and 90% of the available RAM. ``"disk"`` is
+            always available after the given devices.
+        no_split_module_classes: classes (or class names) never split across devices, such
+            as transformer blocks with residual connections.
+        dtype: the dtype floating weights will be loaded in (sizes are counted in it).
+
+    Returns:
+        Module (or parameter) names mapped to a GPU index, ``"cpu"`` or ``"disk"``, merged so
+        that a module whose parts share a device is one entry (``{"": "cpu"}`` when all fit).
+
+    Raises:
+        DeviceMapError: a bad ``max_memory`` key or size, or a bad class list.
+
+    Example:
+        >>> with accel.init_empty_weights():
+        ...     model = Net()
+        >>> accel.infer_auto_device_map(
+        ...     model, max_memory={"cpu": "1GB"}, no_split_module_classes=[Block])
+        {'embed': 'cpu', 'blocks.0': 'cpu', 'blocks.1': 'disk', 'head': 'disk'}
+    """
+    budgets = parse_max_memory(max_memory)
+    no_split = _class_names(no_split_module_classes)
+    devices: list[DeviceKey] = [*budgets, *([] if "disk" in budgets else ["disk"])]
+    gpus = [d for d in devices if isinstance(d, int)]
+    main = {gpus[0], "cpu"} if gpus else {"cpu"}
+    sizes = module_sizes(model, dtype)
+    ties = tied_groups(model)
+
+    queue = _direct(model)
+    used = dict.fromkeys(devices, 0)
+    placed: dict[str, DeviceKey] = {}
+    current = 0
+    largest, largest_names = _largest_layer(queue, sizes, no_split)
+    while queue:
+        name, obj = queue.pop(0)
+        largest_names = [n for n in largest_names if not _inside(n, name)]
+        if not largest_names:
+            largest, largest_names = _largest_layer(queue, sizes, no_split)
+        size = sizes.get(name, 0)
+        # tied parameters with one name inside this entry and another outside it
+        outside = [n for group in ties if any(_inside(m, name) for m in group)
+                   and not all(_inside(m, name) for m in group)
+                   for n in group if not _inside(n, name)]
+        partners: list[Item] = []
+        with_ties = size
+        for tied in outside:
+            partner = next(item for item in queue if _inside(tied, item[0]))
+            partners.append(partner)
+            with_ties += sizes.get(partner[0], 0) - sizes.get(tied, 0)
+        device = devices[current]
+        limit: int | None = None if device == "disk" else budgets[device]
+        reserved = 0
+        if device in main and limit is not None:
+            limit -= largest
+            reserved = largest
+        if limit is None or used[device] + with_ties <= limit:
+            used[device] += with_ties
+            placed[name] = device
+            for partner_name, _ in partners:
+                queue = [item for item in queue if item[0] != partner_name]
+                placed[partner_name] = device
+            continue
+        if partners and used[device] + size <= limit:
+            split = next(((n, m) for n, m in partners if _splittable(m, no_split)), None)
+            if split is not None:
+                at = next(i for i, item in enumerate(queue) if item[0] == split[0])
+                assert isinstance(split[1], nn.Module)
+                queue = [(name, obj), *queue[:at], *_direct(split[1], split[0], buffers=False),
+                         *queue[at + 1:]]
+                largest, largest_names = _largest_layer(queue, sizes, no_split)
+                continue
+        if used[device] + size >= limit and _splittable(obj, no_split):
+            assert isinstance(obj, nn.Module)
+            queue = [*_direct(obj, name, buffers=False), *queue]
+            largest, largest_names = _largest_layer(queue, sizes, no_split)
+            continue
+        used[device] += reserved
+        current += 1
+        queue.insert(0, (name, obj))
+    return _merge(placed)
 
 
 def get_balanced_memory(
     model: nn.Module,
     *,
-    max_memory: Mapping[int | str, int | str] | None = None,
-    no_split_module_classes: Iterable[type[nn.Module] | str] | None = None,
+    max_memory: Mapping[Any, int | str] | None = None,
+    no_split_module_classes: Iterable[type[nn.Module] | str] | str | None = None,
     dtype: torch.dtype | None = None,
-) -> dict[int | str, int]:
-    """TODO (helper A)."""
-    raise NotImplementedError
+    low_zero: bool = False,
+) -> dict[DeviceKey, int]:
+    """Budgets that spread the model evenly over the GPUs (for ``infer_auto_device_map``).
+
+    Each GPU but the last gets an equal share of the model plus a margin (the larger of the
+    biggest ``no_split_module_classes`` block and the mean layer, times 1.25); the last keeps
+    its whole budget. With one GPU and no ``max_memory``, 90% of its free memory; with none,
+    the budgets unchanged. ``low_zero`` keeps GPU 0 as empty as possible.
+
+    Example:
+        >>> accel.get_balanced_memory(model, max_memory={0: "8GiB", 1: "8GiB", "cpu": "32GiB"})
+        {0: 2684354560, 1: 8589934592, 'cpu': 32000000000}
+    """
+    budgets = parse_max_memory(max_memory)
+    gpus = [k for k, v in budgets.items() if isinstance(k, int) and v > 0]
+    if not gpus:
+        return budgets
+    if len(gpus) == 1:
+        if max_memory is None:
+            budgets[gpus[0]] = int(budgets[gpus[0]] * 0.9)
+        return budgets
+    sizes = module_sizes(model, dtype)
+    total = sizes.get("", 0)
+    per_gpu = total // (len(gpus) - 1 if low_zero else len(gpus))
+    no_split = _class_names(no_split_module_classes)
+    block = 0
+    if no_split:
+        seen: dict[str, int] = {}
+        for name, module in model.named_modules():
+            cls = type(module).__name__
+            if name and cls in no_split and cls not in seen:
+                seen[cls] = sizes.get(name, 0)
+        block = max(seen.values(), default=0)
+    # leaves of the size table are tensors; once removed, the leaves are the final modules
+    tensors = {n for n, _ in [*model.named_parameters(), *model.named_buffers()]}
+    modules = [n for n in sizes if n and n not in tensors]
+    parents = {n.rpartition(".")[0] for n in modules if "." in n}
+    final = [n for n in modules if n not in parents]
+    mean = sum(sizes[n] for n in final) // max(len(final), 1)
+    per_gpu += int(1.25 * max(block, mean))
+    for index in gpus[:-1]:
+        share = budgets[0] if low_zero and index == 0 else per_gpu
+        budgets[index] = min(share, budgets[index])
+    if low_zero:
+        budgets[0] = min(max(0, total - sum(budgets[i] for i in gpus[1:])), budgets[0])
+    return budgets
 
 
-# --- shared with dispatch.py and loading.py (helper A implements; signatures are the contract)
-
-Device = torch.device | str  # a torch.device, or "disk"
-
-
-def normalize_device(value: object) -> torch.device | str:
-    """``0`` -> ``cuda:0``, ``"cpu"``/``"cuda:1"``/``torch.device`` -> ``torch.device``,
-    ``"disk"`` -> ``"disk"``; anything else is a ``DeviceMapError`` naming the value."""
-    raise NotImplementedError
-
-
-def parse_max_memory(max_memory: Mapping[int | str, int | str] | None) -> dict[int | str, int]:
-    """Budgets in bytes per device key (GPU indices in order, then "cpu", then "disk"), with
-    defaults filled in (free GPU memory, available RAM less a margin; "disk" unbounded).
-    A bad key or size string is a ``DeviceMapError`` naming it."""
-    raise NotImplementedError
+def _names(model: nn.Module) -> tuple[set[str], list[str]]:
+    """Every module and tensor name, and the tensor names (tied names included)."""
+    tensors = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    tensors += [n for n, _ in model.named_buffers(remove_duplicate=False)]
+    modules = {n for n, _ in model.named_modules(remove_duplicate=False)}
+    return modules | set(tensors), tensors
 
 
 def check_device_map(
     model: nn.Module, device_map: Mapping[str, int | str | torch.device]
-) -> dict[str, torch.device | str]:
-    """Validate an explicit map (names exist, every parameter and buffer covered exactly once,
-    devices valid) and return it normalized (values from ``normalize_device``)."""
-    raise NotImplementedError
+) -> dict[str, Placement]:
+    """An explicit map, checked against the model and normalized (``torch.device``/``"disk"``).
+
+    Every entry must name a module, parameter or buffer (``""`` is the whole model), and
+    every parameter and buffer must be covered by an entry (itself or an enclosing module);
+    the most specific entry wins.
+
+    Example:
+        >>> check_device_map(model, {"": "cpu"})
+        {'': device(type='cpu')}
+    """
+    if not isinstance(device_map, Mapping):
+        raise DeviceMapError(
+            f"device_map={device_map!r} is not a mapping or one of "
+            f"{', '.join(map(repr, _CHOICES))}."
+        )
+    known, tensors = _names(model)
+    unknown = [k for k in device_map if not isinstance(k, str) or k not in known]
+    if unknown:
+        raise DeviceMapError(
+            f"device_map names {unknown[:10]!r}, which the model does not have; entries are "
+            "module, parameter or buffer names as in model.named_modules() ('' for the whole "
+            f"model). Top-level modules: {[n for n, _ in model.named_children()][:10]!r}."
+        )
+    normalized = {k: normalize_device(v) for k, v in device_map.items()}
+    uncovered = [t for t in tensors if not any(k == "" or _inside(t, k) for k in normalized)]
+    if uncovered:
+        raise DeviceMapError(
+            f"device_map leaves {len(uncovered)} tensor(s) without a device, e.g. "
+            f"{uncovered[:10]!r}; add entries for them or their modules (or '' for the rest)."
+        )
+    return normalized
 
 
 def resolve_device_map(
     model: nn.Module,
     device_map: str | Mapping[str, int | str | torch.device],
     *,
-    max_memory: Mapping[int | str, int | str] | None = None,
-    no_split_module_classes: Iterable[type[nn.Module] | str] | None = None,
+    max_memory: Mapping[Any, int | str] | None = None,
+    no_split_module_classes: Iterable[type[nn.Module] | str] | str | None = None,
     dtype: torch.dtype | None = None,
-) -> dict[str, torch.device | str]:
-    """``"auto"``/``"balanced"`` (balanced budgets), ``"sequential"`` (fill in order) or an
-    explicit map -> a checked, normalized map."""
-    raise NotImplementedError
+) -> dict[str, Placement]:
+    """``"auto"``/``"balanced"``/``"balanced_low_0"`` (even GPU budgets), ``"sequential"``
+    (fill devices in order) or an explicit map -> a checked, normalized map.
 
-
-def _unused(x: Any) -> None:  # placeholder so the stub type-checks
-    del x
+    Example:
+        >>> resolve_device_map(model, "sequential", max_memory={"cpu": "1GB"})
+        {'': device(type='cpu')}
+    """
+    if isinstance(device_map, str):
+        if device_map not in _CHOICES:
+            raise DeviceMapError(
+                f"device_map={device_map!r} is not a choice; use one of "
+                f"{', '.join(map(repr, _CHOICES))} or a dict of module name -> device."
+            )
+        if device_map != "sequential":
+            max_memory = get_balanced_memory(
+                model, max_memory=max_memory, no_split_module_classes=no_split_module_classes,
+                dtype=dtype, low_zero=device_map == "balanced_low_0",
+            )
+        device_map = infer_auto_device_map(
+            model, max_memory=max_memory, no_split_module_classes=no_split_module_classes,
+            dtype=dtype,
+        )
+    return check_device_map(model, device_map)
