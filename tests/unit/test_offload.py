@@ -300,3 +300,23 @@ def test_map_sources_checks_everything(tmp_path: Path) -> None:
     assert key == "w" and mapped.shape("w") == (2, 3) and mapped.dtype("w") == torch.float32
     with pytest.raises(CheckpointError, match=r"\[2, 3\].*\[3, 2\]"):
         map_sources({"m.w": TensorSource(path, "w")}, {"m.w": (3, 2)})
+
+
+def test_unopenable_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="Cannot open weights file"):
+        MappedFile(tmp_path)  # a folder
+
+
+def test_unknown_dtype_in_header_is_an_error(tmp_path: Path) -> None:
+    header = b'{"w":{"dtype":"X9","shape":[1],"data_offsets":[0,4]}}'
+    header += b" " * (-len(header) % 8)
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    with pytest.raises(CheckpointError, match="unknown dtype 'X9'"):
+        MappedFile(path)
+
+
+def test_map_that_does_not_place_a_tensor_is_an_error(tmp_path: Path) -> None:
+    _, path = _saved(tmp_path)
+    with pytest.raises(DeviceMapError, match=r"does not place 'embed\.weight'"):
+        dispatch_with_sources(_meta(), {"body": "disk"}, _sources(path))
