@@ -119,14 +119,15 @@ def init_on_device(device: torch.device | str, *, include_buffers: bool = False)
 
     def register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         old_parameter(self, name, param)
-        if param is not None and self._parameters[name] is not None:
+        # a parameter already there (e.g. tied: ``head.weight = emb.weight``) stays the same object
+        if param is not None and param.device != target:
             self._parameters[name] = _moved(param, target)  # type: ignore[assignment]
 
     def register_buffer(
         self: nn.Module, name: str, tensor: torch.Tensor | None, persistent: bool = True
     ) -> None:
         old_buffer(self, name, tensor, persistent=persistent)
-        if tensor is not None:
+        if tensor is not None and tensor.device != target:
             self._buffers[name] = tensor.to(target)
 
     mode = _FactoryDevice(target, everything=include_buffers)
