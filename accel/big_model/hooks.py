@@ -43,7 +43,12 @@ _PRELOAD: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)  # reads its ch
 
 
 def send_to_device(data: Any, device: torch.device) -> Any:
-    """``data`` with every tensor moved to ``device`` (nested tuples, lists, dicts)."""
+    """``data`` with every tensor moved to ``device`` (nested tuples, lists, dicts).
+
+    Example:
+        >>> send_to_device({"x": (torch.ones(1), 3)}, torch.device("cpu"))
+        {'x': (tensor([1.]), 3)}
+    """
     if isinstance(data, torch.Tensor):
         return data.to(device)
     if isinstance(data, list | tuple):
@@ -61,7 +66,12 @@ def send_to_device(data: Any, device: torch.device) -> Any:
 
 
 def find_device(data: Any) -> torch.device | None:
-    """The device of the first tensor in ``data`` (depth first), or ``None``."""
+    """The device of the first tensor in ``data`` (depth first), or ``None``.
+
+    Example:
+        >>> find_device([1, {"a": torch.ones(1)}])
+        device(type='cpu')
+    """
     if isinstance(data, torch.Tensor):
         return data.device
     if isinstance(data, list | tuple):
@@ -308,7 +318,12 @@ class Dispatch:
 
 
 def covering_entry(device_map: Mapping[str, Placement], name: str) -> str | None:
-    """The device map entry covering ``name``: itself, its closest listed ancestor, or ``""``."""
+    """The device map entry covering ``name``: itself, its closest listed ancestor, or ``""``.
+
+    Example:
+        >>> covering_entry({"": "cpu", "layers.1": "disk"}, "layers.1.fc.weight")
+        'layers.1'
+    """
     while True:
         if name in device_map:
             return name
@@ -320,7 +335,12 @@ def covering_entry(device_map: Mapping[str, Placement], name: str) -> str | None
 def preload_classes(
     classes: Iterable[type[nn.Module] | str] | None,
 ) -> tuple[type[nn.Module] | str, ...]:
-    """``nn.MultiheadAttention`` and ``classes`` (checked): modules that load their subtree."""
+    """``nn.MultiheadAttention`` and ``classes`` (checked): modules that load their subtree.
+
+    Example:
+        >>> preload_classes(["MyBlock"])
+        (<class 'torch.nn.modules.activation.MultiheadAttention'>, 'MyBlock')
+    """
     extra = tuple(classes or ())
     for item in extra:
         if not isinstance(item, str) and not (
@@ -350,7 +370,12 @@ def plan_hooks(
 ) -> dict[nn.Module, ModuleHook]:
     """One hook per module that needs one: the model (inputs to ``main``, output back to the
     input's device), each map entry (inputs to its execution device), each module whose
-    offloaded weights it loads (itself, or everything under a ``preload`` module)."""
+    offloaded weights it loads (itself, or everything under a ``preload`` module).
+
+    Example:
+        >>> hooks = plan_hooks(model, dict(model.named_modules()), {"": "disk"}, slots,
+        ...                    torch.device("cpu"), False, preload_classes(None))
+    """
     names = {id(m): n for n, m in reversed(list(modules.items()))}  # first name wins
     preload_roots = [n for n, m in modules.items() if _is_preload(m, preload) and names[id(m)] == n]
 
