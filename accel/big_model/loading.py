@@ -6,6 +6,7 @@ import os
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,8 +38,8 @@ def load_checkpoint_and_dispatch(
     checkpoint: str | os.PathLike[str],
     *,
     device_map: str | Mapping[str, int | str | torch.device] | None = "auto",
-    max_memory: Mapping[int | str, int | str] | None = None,
-    no_split_module_classes: Iterable[type[nn.Module] | str] | None = None,
+    max_memory: Mapping[Any, int | str] | None = None,
+    no_split_module_classes: Iterable[type[nn.Module] | str] | str | None = None,
     offload_folder: str | os.PathLike[str] | None = None,
     dtype: torch.dtype | str | None = None,
 ) -> nn.Module:
@@ -59,16 +60,17 @@ def load_checkpoint_and_dispatch(
     forward (skipped when the whole model sits on one device); ``model.hf_device_map`` records
     the map as Accelerate writes it. Tied weights stay tied.
 
-    CPU weights from safetensors are views of the file's private (copy-on-write) memory map,
-    as with ``safetensors`` itself: replace a checkpoint by writing a new file and renaming
-    it (``accel.save`` and ``save_model`` do) rather than overwriting it in place while a
-    model loaded from it is alive.
+    CPU weights in the checkpoint's dtype are views of the file's private (copy-on-write)
+    memory map, as with ``safetensors`` itself (and ``torch.load(mmap=True)``): replace a
+    checkpoint by writing a new file and renaming it (``accel.save`` and ``save_model`` do)
+    rather than overwriting it in place while a model loaded from it is alive.
 
     Args:
         model: The model to load into.
         checkpoint: Where the weights are.
-        device_map: ``"auto"``, ``"balanced"``, ``"sequential"``, an explicit map, or
-            ``None`` to load every tensor where it is (``meta`` ones on the CPU), no hooks.
+        device_map: ``"auto"``, ``"balanced"``, ``"balanced_low_0"``, ``"sequential"``, an
+            explicit map, or ``None`` to load every tensor where it is (``meta`` ones on the
+            CPU), no hooks.
         max_memory: Budgets per device (``0``, ``1``, ..., ``"cpu"``, ``"disk"``) in bytes or
             strings such as ``"10GiB"``; defaults to what is free.
         no_split_module_classes: Module classes (or their names) never split across devices.

@@ -11,8 +11,8 @@ then reads the files one after the other and puts each tensor in its place:
 * any other tensor (``meta``, another device or dtype) becomes a new parameter or buffer
   made from the loaded tensor, without a second copy: a safetensors tensor bound for the CPU
   in its own dtype *is* a view of the file's private (copy-on-write) memory map, as with
-  ``safetensors`` itself; a torch file bound only for the CPU is read once by ``torch.load``
-  and its tensors are kept;
+  ``safetensors`` itself; so is a tensor of a torch file (``torch.load(mmap=True)``), unless
+  the file also holds disk-placed weights;
 * a tensor placed on ``"disk"`` is not read when it is in a safetensors file: a
   :class:`Source` records where its bytes are, to be mapped in place. A torch file's tensor
   is written to the offload folder as safetensors instead.
@@ -203,12 +203,12 @@ def _refused(path: Path, exc: BaseException) -> CheckpointError:
     )
 
 
-def read_weights(path: Path, *, mmap: bool = True) -> dict[str, torch.Tensor]:
-    """The tensors of one weights file, by name.
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one weights file, by name, as views of a private (copy-on-write) map.
 
-    A ``.safetensors`` file gives views of a private memory map of it (nothing is read until
-    used); any other file is read with ``torch.load(weights_only=True)``, memory-mapped when
-    ``mmap`` and the file is a zip archive (what ``torch.save`` writes).
+    A ``.safetensors`` file is mapped and its header checked; any other file is read with
+    ``torch.load(weights_only=True, mmap=True)`` (a torch file older than the zip format,
+    which cannot be mapped, is read whole). Nothing is read until a tensor is used.
 
     Raises:
         CheckpointError: the file is missing, corrupted, refused, or not a dict of tensors.
@@ -222,7 +222,7 @@ def read_weights(path: Path, *, mmap: bool = True) -> dict[str, torch.Tensor]:
         return read_safetensors(path)[0]
     try:
         loaded = torch.load(
-            path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path)
+            path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
         )
     except pickle.UnpicklingError as exc:
         raise _refused(path, exc) from None
@@ -399,8 +399,11 @@ def stream(plan: Plan, *, write: Writer | None = None) -> dict[str, Source]:
                 _offload(plan, key)
                 _mapped(plan, key, Source(Path(os.path.abspath(file)), key), sources)
             continue
-        mmap = safe or any(p == DISK or torch.device(p).type != "cpu" for p in places)
-        tensors = read_weights(file, mmap=mmap)
+        # CPU tensors may stay views of the file's private map, unless the map also served
+        # the offload copy: then they are copied, and the map (and the pages read for the
+        # copy) goes away with this file
+        shareable = safe or DISK not in places
+        tensors = read_weights(file)
         used: set[int] = set()
         to_disk: dict[str, torch.Tensor] = {}
         for key in jobs:
@@ -412,7 +415,7 @@ def stream(plan: Plan, *, write: Writer | None = None) -> dict[str, Source]:
                 )
             where = plan.placement[key]
             if where != DISK:
-                _place(plan, key, src, torch.device(where), shareable=safe or not mmap, used=used)
+                _place(plan, key, src, torch.device(where), shareable=shareable, used=used)
             elif key in writes:
                 dtype = plan.target_dtype(key)
                 to_disk[key] = src if src.is_floating_point() else src.to(dtype)

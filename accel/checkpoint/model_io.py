@@ -424,11 +424,11 @@ def load_checkpoint_in_model(
 
     Tensors already allocated on their device are overwritten in place. Tensors on ``meta``
     (a model built under ``accel.init_empty_weights()``) become real ones without a second
-    copy; on the CPU, safetensors weights stay views of the file's private memory map, as
-    with ``safetensors.torch.load_file``, so replace a checkpoint by writing a new file (as
-    ``accel.save`` and ``save_model`` do) rather than overwriting it in place while a model
-    loaded from it is alive. Tied weights stay tied, even when the checkpoint holds only one
-    of their names.
+    copy; on the CPU, in the checkpoint's dtype, they stay views of the file's private
+    (copy-on-write) memory map, as with ``safetensors.torch.load_file``, so replace a
+    checkpoint by writing a new file (as ``accel.save`` and ``save_model`` do) rather than
+    overwriting it in place while a model loaded from it is alive. Tied weights stay tied,
+    even when the checkpoint holds only one of their names.
 
     Args:
         model: The model (or a DDP wrapper of it) to load into.

@@ -222,9 +222,9 @@ def test_disk_weights_of_a_safetensors_shard_are_never_read(
     )
     reads: list[str] = []
     real: Callable[..., dict[str, torch.Tensor]] = _stream.read_weights
-    def counted(path: Path, *, mmap: bool = True) -> dict[str, torch.Tensor]:
+    def counted(path: Path) -> dict[str, torch.Tensor]:
         reads.append(path.name)
-        return real(path, mmap=mmap)
+        return real(path)
 
     monkeypatch.setattr(_stream, "read_weights", counted)
     model = accel.load_checkpoint_and_dispatch(_empty(), tmp_path, device_map=EXPLICIT)
@@ -241,9 +241,9 @@ def test_one_file_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     live_at_read: list[int] = []
     real: Callable[..., dict[str, torch.Tensor]] = _stream.read_weights
 
-    def watched(path: Path, *, mmap: bool = True) -> dict[str, torch.Tensor]:
+    def watched(path: Path) -> dict[str, torch.Tensor]:
         live_at_read.append(sum(ref() is not None for ref in alive))
-        tensors = real(path, mmap=mmap)
+        tensors = real(path)
         alive.extend(weakref.ref(t) for t in tensors.values())
         return tensors
 
