@@ -3,10 +3,14 @@
 The planner follows Accelerate's ``infer_auto_device_map`` so that maps ported from it come
 out the same: walk the model's direct parameters, children and buffers in order and fill the
 devices one after the other (GPUs by index, then ``"cpu"``, then ``"disk"``). A module that
-does not fit is replaced by its direct parameters and children, unless its class is in
-``no_split_module_classes``; then it goes to the next device. Parameters tied across modules
-travel together. The main devices (the first GPU and the CPU, or the CPU alone) keep room for
-the largest remaining layer, which offloaded layers are brought into for their forward.
+does not fit is replaced by its direct parameters, children and buffers, unless its class is
+in ``no_split_module_classes`` or it has no children; then it goes to the next device.
+Parameters tied across modules travel together. The main devices (the first GPU and the CPU,
+or the CPU alone) keep room for the largest remaining layer, which offloaded layers are
+brought into for their forward.
+
+One deliberate difference: when a module is split, its direct buffers are placed too
+(Accelerate drops them, so its own ``check_device_map`` then refuses the map it made).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ __all__ = ["get_balanced_memory", "infer_auto_device_map"]
 
 DeviceKey = int | str  # a GPU index, "cpu" or "disk"
 Placement = torch.device | str  # a torch.device, or "disk"
+MaxMemory = Mapping[Any, int | float | str]  # device key -> bytes or a size string
+DType = torch.dtype | str  # torch.float16 or "float16"/"torch.float16", as Accelerate takes
 _CHOICES = ("auto", "balanced", "balanced_low_0", "sequential")
 _RAM_SHARE = 0.9  # default "cpu" budget: this share of the available RAM
 
@@ -54,6 +60,8 @@ def normalize_device(value: object) -> Placement:
 
 
 def _budget_key(key: object) -> DeviceKey:
+    if isinstance(key, torch.device) and key.type in ("cuda", "cpu"):
+        key = str(key) if key.type == "cpu" else key.index
     if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
         return key
     if key in ("cpu", "disk"):
@@ -79,7 +87,7 @@ def _available_ram() -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def parse_max_memory(max_memory: Mapping[Any, int | str] | None) -> dict[DeviceKey, int]:
+def parse_max_memory(max_memory: MaxMemory | None) -> dict[DeviceKey, int]:
     """Budgets in bytes, GPUs in index order, then ``"cpu"``, then ``"disk"``.
 
     ``None`` means every visible GPU's free memory and 90% of the available RAM. A given
@@ -104,11 +112,14 @@ def parse_max_memory(max_memory: Mapping[Any, int | str] | None) -> dict[DeviceK
     parsed: dict[DeviceKey, int] = {}
     for key, value in max_memory.items():
         device = _budget_key(key)
+        if isinstance(value, float) and value >= 0 and value != float("inf"):
+            value = int(value)  # 2e9, or Accelerate's budgets after `*= 0.9`
         size = parse_size(value)
         if size is None:
             raise DeviceMapError(
                 f"max_memory[{key!r}]={value!r} is not a size; give bytes (an int >= 0) or a "
-                "string such as '200MB', '10GiB' or '1.5GB'."
+                "string such as '200MB', '10GiB' or '1.5GB' (units B, KB, MB, GB, TB, KiB, "
+                "MiB, GiB, TiB)."
             )
         parsed[device] = size
     gpus = sorted(k for k in parsed if isinstance(k, int))
@@ -134,18 +145,31 @@ def _class_names(classes: Iterable[type[nn.Module] | str] | str | None) -> set[s
     return names
 
 
-def module_sizes(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, int]:
+def _as_dtype(dtype: DType | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if not isinstance(found, torch.dtype):
+        raise DeviceMapError(
+            f"dtype={dtype!r} is not a torch dtype; give one such as torch.float16 or "
+            "'bfloat16'."
+        )
+    return found
+
+
+def module_sizes(model: nn.Module, dtype: DType | None = None) -> dict[str, int]:
     """Bytes under every module and tensor name (``""`` is the whole model).
 
     Each tensor counts once (tied parameters under their first name); floating tensors are
     counted in ``dtype`` when it is smaller than their own.
     """
+    cast = _as_dtype(dtype)
     sizes: dict[str, int] = {}
     tensors = [*model.named_parameters(), *model.named_buffers()]
     for name, tensor in tensors:
         itemsize = tensor.element_size()
-        if dtype is not None and tensor.is_floating_point():
-            itemsize = min(itemsize, dtype.itemsize)
+        if cast is not None and tensor.is_floating_point():
+            itemsize = min(itemsize, cast.itemsize)
         size = tensor.numel() * itemsize
         parts = name.split(".")
         for depth in range(len(parts) + 1):
@@ -207,6 +231,18 @@ def _inside(name: str, prefix: str) -> bool:
     return (name + ".").startswith(prefix + ".")
 
 
+def _walk_order(model: nn.Module) -> dict[str, int]:
+    """Every module and tensor name at its place in the planning walk (module order)."""
+    order: dict[str, int] = {"": 0}
+    stack: list[Item] = list(reversed(_direct(model)))
+    while stack:
+        name, obj = stack.pop()
+        order.setdefault(name, len(order))
+        if isinstance(obj, nn.Module):
+            stack.extend(reversed(_direct(obj, name)))
+    return order
+
+
 def _merge(device_map: dict[str, DeviceKey], prefix: str = "") -> dict[str, DeviceKey]:
     """Collapse every module whose entries all share one device into one entry, recursively."""
     under = [k for k in device_map if not prefix or _inside(k, prefix)]
@@ -227,9 +263,9 @@ def _merge(device_map: dict[str, DeviceKey], prefix: str = "") -> dict[str, Devi
 def infer_auto_device_map(
     model: nn.Module,
     *,
-    max_memory: Mapping[Any, int | str] | None = None,
+    max_memory: MaxMemory | None = None,
     no_split_module_classes: Iterable[type[nn.Module] | str] | str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: DType | None = None,
 ) -> dict[str, DeviceKey]:
     """Plan where each submodule goes: GPUs in order, then ``"cpu"``, then ``"disk"``.
 
@@ -287,9 +323,13 @@ def infer_auto_device_map(
         partners: list[Item] = []
         with_ties = size
         for tied in outside:
-            partner = next(item for item in queue if _inside(tied, item[0]))
-            partners.append(partner)
-            with_ties += sizes.get(partner[0], 0) - sizes.get(tied, 0)
+            partner = next((item for item in queue if _inside(tied, item[0])), None)
+            if partner is None:  # already placed
+                continue
+            with_ties -= sizes.get(tied, 0)  # counted once, here or in the partner
+            if all(p[0] != partner[0] for p in partners):  # a partner holding 2 tied names
+                partners.append(partner)  # counts once (Accelerate counts it twice)
+                with_ties += sizes.get(partner[0], 0)
         device = devices[current]
         limit: int | None = None if device == "disk" else budgets[device]
         reserved = 0
@@ -308,27 +348,28 @@ def infer_auto_device_map(
             if split is not None:
                 at = next(i for i, item in enumerate(queue) if item[0] == split[0])
                 assert isinstance(split[1], nn.Module)
-                queue = [(name, obj), *queue[:at], *_direct(split[1], split[0], buffers=False),
-                         *queue[at + 1:]]
+                queue = [(name, obj), *queue[:at], *_direct(split[1], split[0]), *queue[at + 1:]]
                 largest, largest_names = _largest_layer(queue, sizes, no_split)
                 continue
         if used[device] + size >= limit and _splittable(obj, no_split):
             assert isinstance(obj, nn.Module)
-            queue = [*_direct(obj, name, buffers=False), *queue]
+            queue = [*_direct(obj, name), *queue]
             largest, largest_names = _largest_layer(queue, sizes, no_split)
             continue
         used[device] += reserved
         current += 1
         queue.insert(0, (name, obj))
-    return _merge(placed)
+    merged = _merge(placed)
+    order = _walk_order(model)
+    return dict(sorted(merged.items(), key=lambda item: order.get(item[0], len(order))))
 
 
 def get_balanced_memory(
     model: nn.Module,
     *,
-    max_memory: Mapping[Any, int | str] | None = None,
+    max_memory: MaxMemory | None = None,
     no_split_module_classes: Iterable[type[nn.Module] | str] | str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: DType | None = None,
     low_zero: bool = False,
 ) -> dict[DeviceKey, int]:
     """Budgets that spread the model evenly over the GPUs (for ``infer_auto_device_map``).
@@ -370,10 +411,11 @@ def get_balanced_memory(
     mean = sum(sizes[n] for n in final) // max(len(final), 1)
     per_gpu += int(1.25 * max(block, mean))
     for index in gpus[:-1]:
-        share = budgets[0] if low_zero and index == 0 else per_gpu
-        budgets[index] = min(share, budgets[index])
-    if low_zero:
-        budgets[0] = min(max(0, total - sum(budgets[i] for i in gpus[1:])), budgets[0])
+        if not (low_zero and index == gpus[0]):
+            budgets[index] = min(per_gpu, budgets[index])
+    if low_zero:  # the first GPU takes only what the others cannot
+        first = gpus[0]
+        budgets[first] = min(max(0, total - sum(budgets[i] for i in gpus[1:])), budgets[first])
     return budgets
 
 
@@ -383,6 +425,15 @@ def _names(model: nn.Module) -> tuple[set[str], list[str]]:
     tensors += [n for n, _ in model.named_buffers(remove_duplicate=False)]
     modules = {n for n, _ in model.named_modules(remove_duplicate=False)}
     return modules | set(tensors), tensors
+
+
+def _covered(name: str, device_map: Mapping[str, object]) -> bool:
+    """Whether ``name`` or one of its enclosing modules (``""`` included) has an entry."""
+    while name not in device_map:
+        if not name:
+            return False
+        name = name.rpartition(".")[0]
+    return True
 
 
 def check_device_map(
@@ -412,7 +463,13 @@ def check_device_map(
             f"model). Top-level modules: {[n for n, _ in model.named_children()][:10]!r}."
         )
     normalized = {k: normalize_device(v) for k, v in device_map.items()}
-    uncovered = [t for t in tensors if not any(k == "" or _inside(t, k) for k in normalized)]
+    on_meta = [k for k, v in normalized.items() if isinstance(v, torch.device) and v.type == "meta"]
+    if on_meta:
+        raise DeviceMapError(
+            f"device_map puts {on_meta[:10]!r} on 'meta', which holds no weights; use a GPU "
+            "index, 'cpu' or 'disk'."
+        )
+    uncovered = [t for t in tensors if not _covered(t, normalized)]
     if uncovered:
         raise DeviceMapError(
             f"device_map leaves {len(uncovered)} tensor(s) without a device, e.g. "
@@ -425,9 +482,9 @@ def resolve_device_map(
     model: nn.Module,
     device_map: str | Mapping[str, int | str | torch.device],
     *,
-    max_memory: Mapping[Any, int | str] | None = None,
+    max_memory: MaxMemory | None = None,
     no_split_module_classes: Iterable[type[nn.Module] | str] | str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: DType | None = None,
 ) -> dict[str, Placement]:
     """``"auto"``/``"balanced"``/``"balanced_low_0"`` (even GPU budgets), ``"sequential"``
     (fill devices in order) or an explicit map -> a checked, normalized map.
