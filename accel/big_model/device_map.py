@@ -179,11 +179,15 @@ def module_sizes(model: nn.Module, dtype: DType | None = None) -> dict[str, int]
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
-    """Names of parameters that are one object reachable under several names."""
+    """Names of parameters that are one object reachable under several names.
+
+    Each group is sorted by name, as Accelerate's ``find_tied_parameters`` gives them: when a
+    pair does not fit, the first splittable partner in that order is the one split.
+    """
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
+    return [sorted(group) for group in names.values() if len(group) > 1]
 
 
 Item = tuple[str, nn.Module | torch.Tensor]

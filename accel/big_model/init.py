@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from accel.errors import DeviceMapError
+
 __all__ = ["init_empty_weights", "init_on_device"]
 
 _LARGE = 64 * 2**20  # bytes: results of value-free factories at least this big go to the device
@@ -196,13 +198,22 @@ def init_on_device(
         include_buffers: move buffers too (and send every tensor factory call without a
             device to ``device``); by default buffers keep their values on the CPU.
 
+    Raises:
+        DeviceMapError: ``device`` is not a device.
+
     Example:
         >>> with accel.init_on_device("meta"):
         ...     layer = torch.nn.Linear(4096, 4096)
         >>> layer.weight.device
         device(type='meta')
     """
-    target = torch.device(device)
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise DeviceMapError(
+            f"init_on_device got device={device!r}, which is not a device; use 'meta', "
+            "'cpu', 'cuda:0', a GPU index or a torch.device."
+        ) from None
     _install()
     token = _CURRENT.set(_Settings(target, include_buffers))
     try:

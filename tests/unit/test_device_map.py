@@ -382,3 +382,129 @@ def test_resolve_refuses_an_unknown_strategy_listing_the_choices(net: Net, choic
     message = str(info.value)
     assert f"device_map={choice!r} is not a choice" in message
     assert "'auto', 'balanced', 'balanced_low_0', 'sequential'" in message
+
+
+# --- defaults read from the machine (faked GPUs), sizes, ties, meta models --------------
+
+
+def _fake_gpus(monkeypatch: pytest.MonkeyPatch, free: list[int], ram: int = 10_000) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(free))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (free[i], 10 * free[i]))
+    monkeypatch.setattr(dm, "_available_ram", lambda: ram)
+
+
+def test_default_budgets_are_each_gpus_free_memory_then_the_ram_margin(
+    monkeypatch: pytest.MonkeyPatch, net: Net
+) -> None:
+    _fake_gpus(monkeypatch, [5000, 5000], ram=10_000)
+    assert parse_max_memory(None) == {0: 5000, 1: 5000, "cpu": 9000}
+    # a given mapping gets no defaults for the devices it leaves out (as Accelerate)
+    assert parse_max_memory({"cpu": 50}) == {"cpu": 50}
+    # infer with no max_memory plans on those defaults: the same as passing them
+    assert infer_auto_device_map(net, no_split_module_classes=["Block"]) == infer_auto_device_map(
+        net, max_memory={0: 5000, 1: 5000, "cpu": 9000}, no_split_module_classes=["Block"]
+    )
+    # one GPU and no max_memory: balanced keeps 10% of it free, as Accelerate does
+    _fake_gpus(monkeypatch, [1000], ram=10_000)
+    assert get_balanced_memory(net) == {0: 900, "cpu": 9000}
+
+
+def test_available_ram_falls_back_to_sysconf_without_proc_meminfo(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    def no_file(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("no /proc here")
+
+    monkeypatch.setattr(dm, "open", no_file, raising=False)
+    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert abs(dm._available_ram() - pages) < 512 * 2**20  # it moves while we read
+
+
+def test_a_tied_partner_is_split_when_only_the_pair_does_not_fit() -> None:
+    def lin() -> nn.Linear:
+        return nn.Linear(10, 10, bias=False)  # 400 bytes
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = lin()
+            self.second = nn.Sequential(lin(), lin(), lin())
+            self.second[2].weight = self.first.weight
+
+    # cpu 1000 - 400 (largest layer) = 600: first + all of second (800 more) does not fit,
+    # first + the part of second holding the tie does: second is split, second.2 goes with
+    # first; second.0 then does not fit (Accelerate 1.15 gives the same)
+    assert infer_auto_device_map(Pair(), max_memory={"cpu": 1000}) == {
+        "first": "cpu", "second.0": "disk", "second.1": "disk", "second.2": "cpu"}
+    # the room kept is for the largest layer still to place: with 1200 the last one fits
+    assert infer_auto_device_map(Pair(), max_memory={"cpu": 1200}) == {"": "cpu"}
+
+
+def test_module_sizes_count_buffers_and_keep_integer_tensors_as_they_are() -> None:
+    model = nn.Module()
+    model.lin = nn.Linear(10, 10, bias=False)
+    model.register_buffer("ids", torch.arange(100))  # int64: 800 bytes in any dtype
+    model.norm = nn.BatchNorm1d(10)  # 2 x 10 params, 2 x 10 float buffers, one int64 count
+    sizes = dm.module_sizes(model, torch.float16)
+    assert sizes["lin"] == 200 and sizes["ids"] == 800
+    assert sizes["norm"] == 4 * 20 + 8 and sizes[""] == 200 + 800 + 88
+    assert dm.module_sizes(model)["norm"] == 4 * 40 + 8
+
+
+def test_a_meta_model_is_planned_like_the_real_one(net: Net) -> None:
+    torch.manual_seed(0)
+    real = Net(tied=True)
+    with accel.init_empty_weights():
+        empty = Net(tied=True)
+    for budget in ({"cpu": 5000}, {0: 4000, 1: 4000, "cpu": 4000}):
+        assert infer_auto_device_map(empty, max_memory=budget) == infer_auto_device_map(
+            real, max_memory=budget
+        )
+
+
+def test_balanced_low_0_on_gpus_numbered_from_1(net: Net) -> None:
+    # the first GPU listed plays GPU 0's part (Accelerate would look up GPU 0 and fail)
+    assert get_balanced_memory(net, max_memory={1: 20_000, 2: 20_000}, low_zero=True,
+                               no_split_module_classes=[Block]) == {1: 0, 2: 20_000}
+
+
+def test_an_uncovered_non_persistent_buffer_is_named(net: Net) -> None:
+    net.register_buffer("steps", torch.zeros(1), persistent=False)
+    with pytest.raises(accel.DeviceMapError, match=r"\['steps'\]"):
+        check_device_map(net, {"embed": "cpu", "blocks": "cpu", "head": "cpu"})
+
+
+def test_a_weight_tied_in_four_places_splits_partners_in_name_order() -> None:
+    def lin() -> nn.Linear:
+        return nn.Linear(10, 10, bias=False)  # 400 bytes
+
+    class Half(nn.Module):
+        def __init__(self, embed: nn.Embedding) -> None:
+            super().__init__()
+            self.embed_tokens = embed
+            self.layers = nn.Sequential(lin(), lin())
+
+    class Shared(nn.Module):
+        """T5's layout: one embedding under shared, encoder, decoder and lm_head."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Embedding(10, 10)
+            self.encoder = Half(self.shared)
+            self.decoder = Half(self.shared)
+            self.lm_head = lin()
+            self.lm_head.weight = self.shared.weight
+
+    # cpu 1600 - 400 = 1200: shared pulls encoder, decoder and lm_head (2000) along; the first
+    # splittable partner by name, decoder, is split (Accelerate sorts each tie group by name);
+    # then shared + encoder + decoder.embed_tokens + lm_head (1200) fit and decoder.layers
+    # goes to disk. Accelerate 1.15 gives the same map.
+    assert infer_auto_device_map(Shared(), max_memory={"cpu": 1600}) == {
+        "shared": "cpu", "encoder": "cpu", "decoder.embed_tokens": "cpu",
+        "decoder.layers": "disk", "lm_head": "cpu"}
+    assert dm.tied_groups(Shared()) == [
+        ["decoder.embed_tokens.weight", "encoder.embed_tokens.weight", "lm_head.weight",
+         "shared.weight"]]
