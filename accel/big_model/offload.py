@@ -10,20 +10,17 @@ its pages back after a forward so resident memory stays at one module's weights.
 from __future__ import annotations
 
 import functools
-import json
 import mmap
 import os
-import struct
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch
 
 from accel.checkpoint._atomic import write_file_atomically
-from accel.checkpoint._format import _DTYPES, _NAMES, _check_entry, _host, _view
+from accel.checkpoint._format import _DTYPES, _NAMES, map_safetensors, write_safetensors
 from accel.errors import CheckpointError
 
 __all__ = ["MappedFile", "TensorSource", "map_sources", "write_offload_file"]
@@ -79,38 +76,25 @@ class MappedFile:
 
     def __init__(self, path: Path, *, open_path: Path | None = None) -> None:
         self.path = path
-        where = open_path or path
+        if sys.byteorder != "little":
+            raise CheckpointError("safetensors files are little-endian; this machine is not.")
         try:
-            size = os.path.getsize(where)
-            with open(where, "rb") as f:
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+            mapped, base, entries, _ = map_safetensors(path, open_path=open_path, bad=_bad_file)
         except OSError as exc:
             raise CheckpointError(
                 f"Cannot open weights file {os.fspath(path)!r} ({exc.strerror or exc}). Check "
                 "the path, or load the checkpoint again if it was moved."
             ) from None
-        if self._mm is None or size < 8:
-            raise _bad_file(path, f"only {size} bytes")
-        if sys.byteorder != "little":
-            raise CheckpointError("safetensors files are little-endian; this machine is not.")
-        (header_len,) = struct.unpack("<Q", self._mm[:8])
-        if header_len > size - 8:
-            raise _bad_file(path, f"a header of {header_len} bytes in a file of {size}")
-        try:
-            header = json.loads(self._mm[8 : 8 + header_len])
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise _bad_file(path, f"unreadable header ({exc})") from None
-        if not isinstance(header, dict):
-            raise _bad_file(path, "the header is not a JSON object")
-        header.pop("__metadata__", None)
-        base = 8 + header_len
-        self._entries: dict[str, _Entry] = {}
-        for key, info in header.items():
-            _check_entry(path, key, info)  # dtype known, shape of counts, offsets span it
-            start, end = base + info["data_offsets"][0], base + info["data_offsets"][1]
-            if end > size:
-                raise _bad_file(path, f"tensor {key!r} ends at byte {end}, the file has {size}")
-            self._entries[key] = _Entry(_NAMES[info["dtype"]], tuple(info["shape"]), start, end)
+        self._mm: mmap.mmap | None = mapped
+        self._entries: dict[str, _Entry] = {
+            key: _Entry(
+                _NAMES[info["dtype"]],
+                tuple(info["shape"]),
+                base + info["data_offsets"][0],
+                base + info["data_offsets"][1],
+            )
+            for key, info in entries
+        }
         self._views: dict[str, torch.Tensor] = {}
 
     def __contains__(self, key: object) -> bool:
@@ -228,29 +212,13 @@ def _write(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
 
     Offload files are scratch space remade at each dispatch, so no checksum and no fsync.
     """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
     for name, tensor in tensors.items():
         if tensor.dtype not in _DTYPES:
             raise CheckpointError(
                 f"Cannot offload {name!r} to disk: its dtype {tensor.dtype} has no safetensors "
                 "code. Keep its module on a device (`device_map={..., name: 'cpu'}`)."
             )
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": _DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)) + encoded)
-        for tensor in tensors.values():
-            host = _host(tensor)
-            f.write(_view(host))
-            del host
+    write_safetensors(path, tensors, metadata={"format": "pt"}, durable=False)
 
 
 def write_offload_file(

@@ -14,8 +14,8 @@ import os
 import struct
 import sys
 import zlib
-from collections.abc import Mapping
-from typing import Any, BinaryIO
+from collections.abc import Callable, Mapping
+from typing import Any, BinaryIO, NamedTuple
 
 import attrs
 import torch
@@ -96,11 +96,13 @@ def write_safetensors(
     *,
     metadata: Mapping[str, str] | None = None,
     root: str | os.PathLike[str] | None = None,
+    durable: bool = True,
 ) -> FileRecord:
     """Write ``tensors`` as a safetensors file, fsync it, and return its record.
 
     Tensors are written in the order given; device and non-contiguous tensors are copied to
-    the host one at a time.
+    the host one at a time. ``durable=False`` (scratch files such as offloaded weights)
+    skips the checksum (the record's ``crc32`` is 0) and the fsync.
     """
     if sys.byteorder != "little":
         raise CheckpointError("safetensors files are little-endian; this machine is not.")
@@ -125,14 +127,18 @@ def write_safetensors(
     encoded += b" " * (-len(encoded) % 8)
     prefix = struct.pack("<Q", len(encoded)) + encoded
     with open(path, "wb") as f:
-        crc = zlib.crc32(prefix)
+        crc = zlib.crc32(prefix) if durable else 0
         f.write(prefix)
         for tensor in tensors.values():
             host = _host(tensor)
-            crc = _write_all(f, _view(host), crc)
+            if durable:
+                crc = _write_all(f, _view(host), crc)
+            else:
+                f.write(_view(host))
             del host
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     name = os.fspath(path) if root is None else os.path.relpath(path, root)
     return FileRecord(name=name, size=len(prefix) + offset, crc32=crc)
 
@@ -183,6 +189,62 @@ def _check_entry(path: str | os.PathLike[str], name: str, info: object) -> None:
         )
 
 
+class SafetensorsMap(NamedTuple):
+    """A safetensors file mapped privately, with its checked header."""
+
+    mapped: mmap.mmap
+    base: int  # offset of the data section (8 + header length)
+    entries: list[tuple[str, dict[str, Any]]]  # by data offset: dtype, shape, data_offsets
+    metadata: dict[str, str]
+
+
+def map_safetensors(
+    path: str | os.PathLike[str],
+    *,
+    open_path: str | os.PathLike[str] | None = None,
+    bad: Callable[[str | os.PathLike[str], str], CheckpointError] = _corrupt,
+) -> SafetensorsMap:
+    """Map a safetensors file copy-on-write and check its header against its size.
+
+    Every entry is checked (dtype, shape, offsets spanning exactly its bytes), entries lie
+    back to back and end at the end of the file. Problems are ``bad(path, what)`` errors.
+    ``open_path`` is where to open the file when it differs from ``path`` (a temporary file
+    about to be renamed to ``path``).
+    """
+    where = path if open_path is None else open_path
+    size = os.path.getsize(where)
+    if size < 8:
+        raise bad(path, f"only {size} bytes")
+    with open(where, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    (header_len,) = struct.unpack("<Q", mapped[:8])
+    if header_len > size - 8:
+        raise bad(path, f"header of {header_len} bytes in a file of {size}")
+    try:
+        header = json.loads(mapped[8 : 8 + header_len])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(path, f"unreadable header ({exc})") from None
+    if not isinstance(header, dict):
+        raise bad(path, "header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise bad(path, "its __metadata__ is not a JSON object")
+    base = 8 + header_len
+    for name, info in header.items():
+        _check_entry(path, name, info)
+    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    position = 0
+    for name, info in entries:
+        start, end = info["data_offsets"]
+        if start != position:
+            raise bad(path, f"bad data offsets for tensor {name!r}: {info}")
+        position = end
+    if base + position != size:
+        what = "cut short" if base + position > size else "trailing bytes after the last tensor"
+        raise bad(path, f"{what} ({size} bytes, the header describes {base + position})")
+    return SafetensorsMap(mapped, base, entries, {str(k): str(v) for k, v in metadata.items()})
+
+
 def read_safetensors(
     path: str | os.PathLike[str], *, expected_crc32: int | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -195,36 +257,7 @@ def read_safetensors(
     Raises:
         CheckpointError: the file is truncated, malformed, or its CRC32 differs.
     """
-    size = os.path.getsize(path)
-    if size < 8:
-        raise _corrupt(path, f"only {size} bytes")
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    (header_len,) = struct.unpack("<Q", mapped[:8])
-    if header_len > size - 8:
-        raise _corrupt(path, f"header of {header_len} bytes in a file of {size}")
-    try:
-        header = json.loads(mapped[8 : 8 + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _corrupt(path, f"unreadable header ({exc})") from None
-    if not isinstance(header, dict):
-        raise _corrupt(path, "header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise _corrupt(path, "its __metadata__ is not a JSON object")
-    base = 8 + header_len
-    for name, info in header.items():
-        _check_entry(path, name, info)
-    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-    position = 0
-    for name, info in entries:
-        start, end = info["data_offsets"]
-        if start != position:
-            raise _corrupt(path, f"bad data offsets for tensor {name!r}: {info}")
-        position = end
-    if base + position != size:
-        what = "cut short" if base + position > size else "trailing bytes after the last tensor"
-        raise _corrupt(path, f"{what} ({size} bytes, the header describes {base + position})")
+    mapped, base, entries, metadata = map_safetensors(path)
     if expected_crc32 is not None:
         crc = zlib.crc32(mapped)  # releases the GIL: files are checked in parallel threads
         if crc != expected_crc32:
@@ -242,4 +275,4 @@ def read_safetensors(
         if (base + start) % dtype.itemsize:
             raw = raw.clone()
         tensors[name] = raw.view(dtype).reshape(info["shape"])
-    return tensors, {str(k): str(v) for k, v in metadata.items()}
+    return tensors, metadata
