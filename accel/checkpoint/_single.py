@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from accel.checkpoint._format import read_safetensors, write_safetensors
+from accel.checkpoint._format import _NAMES, map_safetensors, write_safetensors
 from accel.errors import CheckpointArgumentError, CheckpointError, ConfigError
 
 __all__ = ["check_flat_tensors", "read_file", "wants_safetensors", "write_torch"]
@@ -200,14 +200,13 @@ def _kind(path: Path) -> str:
 
 def _read_safetensors(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
     """Every tensor of the file in memory of its own (not a view of a map of the file)."""
-    views, _ = read_safetensors(path)  # checks the header and offsets; reads no data
-    layout = [(name, view.dtype, tuple(view.shape)) for name, view in views.items()]
-    del views
+    mapped, base, entries, _ = map_safetensors(path)  # checks the header; reads no data
+    mapped.close()
     out: dict[str, torch.Tensor] = {}
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        f.seek(8 + header_len)
-        for name, dtype, shape in layout:  # in file order, back to back (checked above)
+        f.seek(base)
+        for name, info in entries:  # in file order, back to back (checked above)
+            dtype, shape = _NAMES[info["dtype"]], tuple(info["shape"])
             numel = 1
             for dim in shape:
                 numel *= dim
