@@ -23,6 +23,7 @@ from accel.errors import (
     MainProcessFirstError,
     NotDistributedError,
     RemoteError,
+    StateFrozenError,
 )
 
 __version__ = "0.1.0"
@@ -119,6 +120,7 @@ __all__ = [
     "MainProcessFirstError",
     "NotDistributedError",
     "RemoteError",
+    "StateFrozenError",
     "__version__",
     *_LAZY,
 ]

@@ -11,13 +11,13 @@ import contextvars
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NoReturn, get_args
 
 import attrs
 import torch
 
 from accel._env import LaunchEnv, read_launch_env
-from accel.errors import ConfigError
+from accel.errors import ConfigError, StateFrozenError
 
 __all__ = [
     "MixedPrecision",
@@ -49,6 +49,7 @@ class ProcessState:
     """Where this process stands in the job, and the run-wide training policy.
 
     Immutable: make a changed copy with ``attrs.evolve`` or a nested ``accel.distributed(...)``.
+    Setting or deleting an attribute raises :class:`~accel.errors.StateFrozenError`.
 
     Example:
         >>> st = accel.state()
@@ -94,6 +95,61 @@ class ProcessState:
     def use_distributed(self) -> bool:
         """True when the job has more than one process."""
         return self.world_size > 1
+
+
+# What to write instead of assigning to a state attribute.
+_NESTED = ("mixed_precision", "gradient_accumulation_steps", "strategy", "debug", "timeout",
+           "on_each_node")
+_LAUNCH_FACTS = ("rank", "local_rank", "world_size", "local_world_size", "node_rank",
+                 "num_nodes", "is_main_process", "is_local_main_process", "is_last_process",
+                 "use_distributed")
+_OUTERMOST = {
+    "backend": "`accel.distributed(backend=...)`",
+    "device": "`accel.distributed(cpu=True)` (or the launcher's device choice)",
+    "seed": "`accel.distributed(seed=...)`",
+}
+
+
+def _frozen_advice(name: str, value: object, verb: str) -> str:
+    head = f"accel.state() is immutable: cannot {verb} {name!r}"
+    if verb == "set":
+        head += f" to {value!r}"
+    shown = "n" if verb == "delete" else repr(value)
+    if name in _NESTED:
+        return (
+            f"{head}. Change it for a block instead: "
+            f"`with accel.distributed({name}={shown}):` nested inside the outer block."
+        )
+    if name in _LAUNCH_FACTS:
+        return f"{head}: {name} is a fact of the launch and cannot change."
+    if name in _OUTERMOST:
+        return (
+            f"{head}: it is chosen once, by the outermost {_OUTERMOST[name]}; "
+            "nested blocks reuse the process group."
+        )
+    if name == "options":
+        return (
+            f"{head}. Pass extra options as keywords of a nested block: "
+            "`with accel.distributed(my_option=value):`."
+        )
+    return (
+        f"{head}: ProcessState has no field {name!r} (fields: "
+        f"{[field.name for field in attrs.fields(ProcessState)]})."
+    )
+
+
+def _refuse_setattr(self: ProcessState, name: str, value: object) -> NoReturn:
+    raise StateFrozenError(_frozen_advice(name, value, "set"))
+
+
+def _refuse_delattr(self: ProcessState, name: str) -> NoReturn:
+    raise StateFrozenError(_frozen_advice(name, None, "delete"))
+
+
+# attrs writes its own refusing __setattr__/__delattr__ on frozen classes (and builds, copies
+# and evolves instances with object.__setattr__), so the explaining ones replace them here.
+ProcessState.__setattr__ = _refuse_setattr  # type: ignore[method-assign,assignment]
+ProcessState.__delattr__ = _refuse_delattr  # type: ignore[method-assign,assignment]
 
 
 @attrs.define(eq=False)

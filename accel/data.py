@@ -585,9 +585,15 @@ def _base_loader(loader: DataLoader[Any], options: dict[str, Any]) -> DataLoader
     return DataLoader(loader.dataset, batch_sampler=sharded, **options)
 
 
-def skip_first_batches(loader: DataLoader[Any], num_batches: int) -> DataLoader[Any]:
-    """A loader whose next iteration starts at batch ``num_batches`` of the current epoch.
+def skip_first_batches(
+    loader: DataLoader[Any], num_batches: int, *, epoch: int | None = None
+) -> DataLoader[Any]:
+    """A loader whose next iteration starts at batch ``num_batches`` of an epoch.
 
+    Without ``epoch`` it is the loader's current epoch (epoch 0 in a fresh process, so when
+    resuming a run whose loader was not saved pass ``epoch``, or the first epoch's shuffle is
+    replayed). With ``epoch`` it is that epoch, set as ``loader.set_epoch(epoch)`` does: the
+    result yields exactly what the loader yields for that epoch from batch ``num_batches`` on.
     For a prepared loader the result shares its epoch counter (the epoch after this one is
     the next epoch) and skips by index without loading the skipped batches (iterable datasets
     must still read the skipped elements). Later iterations of the result are whole epochs.
@@ -596,26 +602,32 @@ def skip_first_batches(loader: DataLoader[Any], num_batches: int) -> DataLoader[
     Args:
         loader: A loader from :func:`prepare_data_loader`.
         num_batches: Batches of this rank to skip.
+        epoch: The epoch to resume (its shuffle); default the loader's current one.
 
     Raises:
         DataLoaderTypeError: ``loader`` is not a prepared loader.
-        ConfigError: ``num_batches`` is negative.
+        ConfigError: ``num_batches`` or ``epoch`` is negative or not an integer.
 
     Example:
-        >>> resumed = accel.skip_first_batches(loader, 3)
-        >>> for batch in resumed: ...  # batches 3, 4, ... of this epoch
+        >>> resumed = accel.skip_first_batches(loader, 3, epoch=2)
+        >>> for batch in resumed: ...  # batches 3, 4, ... of epoch 2
     """
     if not isinstance(loader, PreparedDataLoader):
         raise DataLoaderTypeError(
             f"skip_first_batches() needs a prepared loader, got {type(loader).__name__}. "
             "Prepare it first: `accel.skip_first_batches(accel.prepare_data_loader(loader), n)`."
         )
-    if isinstance(num_batches, bool) or not isinstance(num_batches, int) or num_batches < 0:
-        raise ConfigError(
-            f"num_batches={num_batches!r} must be a non-negative integer, e.g. "
-            "`accel.skip_first_batches(loader, 3)`."
-        )
+    for name, value in (("num_batches", num_batches), ("epoch", epoch)):
+        if name == "epoch" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(
+                f"{name}={value!r} must be a non-negative integer, e.g. "
+                "`accel.skip_first_batches(loader, 3, epoch=1)`."
+            )
     view = copy.copy(loader)
     view.__dict__["_iterator"] = None  # its own (persistent) worker iterator
     view.__dict__["_skip_once"] = num_batches
+    if epoch is not None:
+        view.set_epoch(epoch)  # the shared cursor: the loader's next epoch is epoch + 1
     return view

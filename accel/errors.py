@@ -7,6 +7,8 @@ wrong, the value received and how to fix it.
 
 from __future__ import annotations
 
+from attrs.exceptions import FrozenInstanceError
+
 __all__ = [
     "AccelError",
     "CheckpointError",
@@ -18,6 +20,7 @@ __all__ = [
     "MainProcessFirstError",
     "NotDistributedError",
     "RemoteError",
+    "StateFrozenError",
 ]
 
 
@@ -64,3 +67,15 @@ class CheckpointArgumentError(CheckpointError, TypeError):
 
 class DeviceMapError(AccelError, ValueError):
     """A device map, ``max_memory`` budget or offload setting is invalid or cannot be met."""
+
+
+class StateFrozenError(AccelError, FrozenInstanceError):
+    """An attribute of the process state (``accel.state()``) was set or deleted.
+
+    The state is immutable; a nested ``with accel.distributed(option=value):`` scopes a changed
+    option. It is an ``AttributeError`` (and attrs' ``FrozenInstanceError``), as before.
+    """
+
+    def __init__(self, message: str) -> None:
+        AttributeError.__init__(self, message)
+        self.msg = message
