@@ -147,6 +147,29 @@ def merge_gathered_objects(per_rank: Sequence[Any], real: Sequence[int] | None =
     return list(per_rank)
 
 
+def _trim_local(data: Any, rows: int, as_objects: bool) -> Any:
+    """One process, last batch: keep the first ``rows`` samples (what N processes keep).
+
+    Tensors are cut on dim 0 (0-d ones kept). Data gathered as objects on N processes
+    (``as_objects``) follows :func:`merge_gathered_objects`: lists and tuples are sample lists
+    and are cut, dicts are recursed into, anything else is kept.
+    """
+    if not as_objects:
+        return map_tensors(lambda t: t if t.ndim == 0 else t[:rows], data)
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value if value.ndim == 0 else value[:rows]
+        if isinstance(value, Mapping):
+            kind: Any = type(value)
+            return kind({key: cut(item) for key, item in value.items()})
+        if isinstance(value, list | tuple):
+            return value[:rows]
+        return value
+
+    return cut(data)
+
+
 def gather_for_metrics(data: T, *, use_gather_object: bool = False) -> T:
     """Gather per-batch results from every rank, without the padding of the last round.
 
@@ -156,11 +179,13 @@ def gather_for_metrics(data: T, *, use_gather_object: bool = False) -> T:
     sample lists, concatenated). On the last batch of the active prepared loader each rank's
     padding is dropped, so over an epoch the results hold exactly the dataset's samples (with
     ``drop_last``, the samples the loader yielded). Every tensor's first dimension must be the
-    batch dimension (0-d tensors give one value per rank and are not trimmed). Outside a
-    prepared loader's iteration it is a plain gather. Where batch sizes differ between ranks
-    (variable-size batch samplers, the last round without ``even_batches``) tensors are padded,
-    gathered and cut back to each rank's rows. With ``even_batches=False`` ranks may get
-    different numbers of batches; call it only where every rank has a batch.
+    batch dimension (0-d tensors give one value per rank and are not trimmed). On one process
+    nothing is gathered, but the last batch is cut to its real sample count all the same, so
+    the results are the same on every world size (e.g. for ``loss.repeat(batch_size)``).
+    Outside a prepared loader's iteration it is a plain gather. Where batch sizes differ
+    between ranks (variable-size batch samplers, the last round without ``even_batches``)
+    tensors are padded, gathered and cut back to each rank's rows. With ``even_batches=False``
+    ranks may get different numbers of batches; call it only where every rank has a batch.
 
     Args:
         data: This rank's results for the current batch.
@@ -178,10 +203,13 @@ def gather_for_metrics(data: T, *, use_gather_object: bool = False) -> T:
         9
     """
     world = state().world_size
-    if world == 1:
-        return data
     final, remainder, ragged = _active_loader()
-    if use_gather_object or first_non_tensor(data) is not None:
+    as_objects = use_gather_object or first_non_tensor(data) is not None
+    if world == 1:
+        if remainder <= 0:
+            return data
+        return _trim_local(data, remainder, as_objects)  # type: ignore[no-any-return]
+    if as_objects:
         per_rank = gather_object(data)
         if final is not None:
             return merge_gathered_objects(per_rank, final.real)  # type: ignore[no-any-return]

@@ -55,7 +55,7 @@ from accel.checkpoint._layout import (
 from accel.checkpoint._objects import read_object, write_object
 from accel.checkpoint.rng import get_rng_state, set_rng_state
 from accel.collectives import begin, gather_object
-from accel.errors import AccelError, CheckpointError
+from accel.errors import AccelError, CheckpointArgumentError, CheckpointError
 from accel.model import unwrap_model
 
 __all__ = ["CheckpointInfo", "latest_checkpoint", "load_state", "save_state"]
@@ -93,6 +93,27 @@ def _check_objects(objects: dict[str, Any], op: str) -> None:
                 "`state_dict()` / `load_state_dict()`. Pass models, optimizers, schedulers, "
                 "prepared data loaders, or objects that implement both methods."
             )
+
+
+def _require_objects(objects: dict[str, Any], op: str, where: str | os.PathLike[str]) -> None:
+    """Refuse a call naming no object: it would save (or restore) only RNG states.
+
+    Depends only on the arguments, so every rank raises alike, before any collective.
+    """
+    if objects:
+        return
+    names = "model=model, optimizer=optimizer, scheduler=scheduler, train_loader=loader"
+    if op == "save_state":
+        fix = f"name each one: `accel.save_state(dir, {names})`"
+        effect = "save only RNG states"
+    else:
+        fix = (f"pass the objects by the names they were saved under: `accel.save_state(dir, "
+               f"{names})` is restored by `accel.load_state(dir, {names})`")
+        effect = "restore nothing"
+    raise CheckpointArgumentError(
+        f"accel.{op}({os.fspath(where)!r}) got no objects and would {effect}: accel does not "
+        f"track prepared objects, so {fix}."
+    )
 
 
 def _accumulation_step(holder: dict[str, Any], key: str) -> int | None:
@@ -179,12 +200,14 @@ def save_state(
             machines without a shared filesystem), holding the objects and its machine's
             ranks' RNG files; default ``accel.state().on_each_node`` (False: rank 0 writes one
             copy that every rank can reach).
-        **objects: anything with ``state_dict()`` / ``load_state_dict()``, by name.
+        **objects: anything with ``state_dict()`` / ``load_state_dict()``, by name; at least
+            one (accel does not track prepared objects).
 
     Returns:
         The path of the complete checkpoint.
 
     Raises:
+        CheckpointArgumentError: no object was named (it would save only RNG states).
         CheckpointError: on every rank at once, when an argument is invalid, the directory
             holds foreign entries, another writer holds its lock, or any rank failed.
 
@@ -193,6 +216,7 @@ def save_state(
         ...                  scheduler=sched, train_loader=loader)
         PosixPath('ckpt/checkpoint_100')
     """
+    _require_objects(objects, "save_state", directory)
     begin("save_state")
     step = check_step(step)
     _check_objects(objects, "save_state")
@@ -455,12 +479,13 @@ def load_state(
             (checkpoints that exist but fail verification always raise).
         on_each_node: read each machine's own copy (what ``save_state(on_each_node=True)``
             wrote); default ``accel.state().on_each_node``.
-        **objects: the objects to restore, by the names they were saved under.
+        **objects: the objects to restore (at least one), by the names they were saved under.
 
     Returns:
         A :class:`CheckpointInfo`, or ``None`` with ``missing_ok`` and no checkpoint.
 
     Raises:
+        CheckpointArgumentError: no object was named (nothing would be restored).
         CheckpointError: on every rank at once: no checkpoint, a missing object, a corrupted
             file, or a state that does not fit an object.
 
@@ -468,6 +493,7 @@ def load_state(
         >>> info = accel.load_state("ckpt", missing_ok=True, model=model, optimizer=opt)
         >>> start = info.step if info else 0
     """
+    _require_objects(objects, "load_state", directory)
     begin("load_state")
     _check_objects(objects, "load_state")
     st = state()

@@ -167,7 +167,7 @@ def test_save_arguments_are_checked(tmp_path: Path) -> None:
     with pytest.raises(CheckpointArgumentError, match="on_each_node='no'"):
         accel.save_model(_model(), tmp_path / "m", on_each_node="no")  # type: ignore[arg-type]
     with pytest.raises(CheckpointArgumentError, match="on_each_node=0"):
-        accel.save_state(tmp_path / "s", on_each_node=0)  # type: ignore[arg-type]
+        accel.save_state(tmp_path / "s", on_each_node=0, model=_model())  # type: ignore[arg-type]
     assert _entries(tmp_path) == []
 
 
