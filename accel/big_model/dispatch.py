@@ -364,17 +364,13 @@ def dispatch_model(
         ...                              offload_dir="offload")
         >>> model(tokens)  # layers read from disk, output on the input's device
     """
-    normalized = check_device_map(model, device_map)
-    return _dispatch(
+    return _dispatch_by_map(
         model,
-        normalized,
-        main=_main_device(normalized),
-        offload_cpu=_main_device(normalized).type not in ("cpu", "mps"),
-        offload_dir=offload_dir,
+        check_device_map(model, device_map),
         sources=None,
+        offload_dir=offload_dir,
         offload_buffers=offload_buffers,
-        preload=preload_classes(preload_module_classes),
-        force_hooks=False,
+        preload_module_classes=preload_module_classes,
         shown_map=device_map,
     )
 
@@ -415,17 +411,40 @@ def dispatch_with_sources(
         >>> src = TensorSource(Path("model.safetensors"), "fc.weight")
         >>> dispatch_with_sources(model, {"": "disk"}, {"fc.weight": src})
     """
+    return _dispatch_by_map(
+        model,
+        device_map,
+        sources=sources,
+        offload_dir=offload_dir,
+        offload_buffers=offload_buffers,
+        preload_module_classes=preload_module_classes,
+        shown_map=device_map,
+    )
+
+
+def _dispatch_by_map(
+    model: nn.Module,
+    device_map: Mapping[str, Placement],
+    *,
+    sources: Mapping[str, TensorSource] | None,
+    offload_dir: str | os.PathLike[str] | None,
+    offload_buffers: bool,
+    preload_module_classes: Iterable[type[nn.Module] | str] | None,
+    shown_map: Mapping[str, object],
+) -> nn.Module:
+    """Dispatch by a normalized map: offloaded modules run on its main device."""
+    main = _main_device(device_map)
     return _dispatch(
         model,
         device_map,
-        main=_main_device(device_map),
-        offload_cpu=_main_device(device_map).type not in ("cpu", "mps"),
+        main=main,
+        offload_cpu=main.type not in ("cpu", "mps"),
         offload_dir=offload_dir,
         sources=sources,
         offload_buffers=offload_buffers,
         preload=preload_classes(preload_module_classes),
         force_hooks=False,
-        shown_map=device_map,
+        shown_map=shown_map,
     )
 
 

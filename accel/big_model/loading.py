@@ -122,12 +122,7 @@ def load_checkpoint_and_dispatch(
             "the values the model was built with.",
             stacklevel=2,
         )
-    if plan.unexpected:
-        warnings.warn(
-            f"Checkpoint {where!r} holds tensors the model does not have; they were not "
-            f"loaded: {_stream.show(plan.unexpected)}.",
-            stacklevel=2,
-        )
+    _stream.warn_unexpected(where, plan.unexpected, stacklevel=2)
     pending = plan.to_write()
     if pending and offload_folder is None:
         modules = sorted({n for n, d in (placed or {}).items() if d == _stream.DISK})

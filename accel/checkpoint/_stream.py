@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import warnings
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -148,6 +149,16 @@ def show(names: Iterable[str]) -> str:
     names = list(names)
     more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
     return f"{names[:_SHOWN]!r}{more}"
+
+
+def warn_unexpected(where: str, unexpected: list[str], *, stacklevel: int) -> None:
+    """Say which checkpoint tensors the model has no place for (they were not loaded)."""
+    if unexpected:
+        warnings.warn(
+            f"Checkpoint {where!r} holds tensors the model does not have; they were not "
+            f"loaded: {show(unexpected)}.",
+            stacklevel=stacklevel + 1,
+        )
 
 
 def as_dtype(value: object) -> torch.dtype | None:

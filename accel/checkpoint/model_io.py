@@ -389,12 +389,7 @@ def _read_into(
             f"{_stream.show(plan.missing)}, unexpected keys {_stream.show(plan.unexpected)}. "
             "Pass `strict=False` to load what matches."
         )
-    if plan.unexpected:
-        warnings.warn(
-            f"Checkpoint {where!r} holds tensors the model does not have; they were not "
-            f"loaded: {_stream.show(plan.unexpected)}.",
-            stacklevel=3,
-        )
+    _stream.warn_unexpected(where, plan.unexpected, stacklevel=3)
     left = plan.left_on_meta()
     if left:
         warnings.warn(
