@@ -72,6 +72,7 @@ _LAZY: dict[str, str] = {
     "sync_gradients": "accel.accumulation",
     "no_sync": "accel.accumulation",
     "trigger_sync_in_backward": "accel.accumulation",
+    "LocalSGD": "accel.local_sgd",
     "prepare_data_loader": "accel.data",
     "skip_first_batches": "accel.data",
     # checkpoints
@@ -174,6 +175,7 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.gating import print as print
     from accel.launch.notebook import debug_launcher as debug_launcher
     from accel.launch.notebook import notebook_launcher as notebook_launcher
+    from accel.local_sgd import LocalSGD as LocalSGD
     from accel.memory import find_executable_batch_size as find_executable_batch_size
     from accel.memory import free_memory as free_memory
     from accel.metrics import gather_for_metrics as gather_for_metrics
