@@ -516,11 +516,18 @@ def load_state(
             f"{'; '.join(partial)}.",
             stacklevel=2,
         )
+    if not names or not explicit:  # perhaps written by HuggingFace Accelerate's save_state
+        from accel.checkpoint import _accelerate_format as hf
+
+        loaded = hf.load_accelerate_state(Path(directory), names, objects)  # every rank
+        if loaded is not None:
+            return loaded
     if not names:
         if missing_ok:
             return None
         raise CheckpointError(
-            f"No complete checkpoint at {where!r}. Check the path, or pass "
+            f"No complete checkpoint at {where!r}{hf.describe_found(Path(directory))}. "
+            "Check the path, or pass "
             "`missing_ok=True` to start from scratch when there is none."
         )
     skipped: list[str] = []
