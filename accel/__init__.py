@@ -85,6 +85,7 @@ _LAZY: dict[str, str] = {
     "latest_checkpoint": "accel.checkpoint",
     "CheckpointInfo": "accel.checkpoint",
     "load": "accel.checkpoint",
+    "wait_for_checkpoints": "accel.checkpoint",
     # big models
     "init_empty_weights": "accel.big_model",
     "init_on_device": "accel.big_model",
@@ -152,6 +153,7 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.checkpoint import save as save
     from accel.checkpoint import save_model as save_model
     from accel.checkpoint import save_state as save_state
+    from accel.checkpoint import wait_for_checkpoints as wait_for_checkpoints
     from accel.collectives import broadcast as broadcast
     from accel.collectives import broadcast_object as broadcast_object
     from accel.collectives import check_trigger as check_trigger

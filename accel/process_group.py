@@ -218,6 +218,9 @@ def distributed(
             if seed is not None:
                 _seed(seed)
             yield current
+            from accel.checkpoint._async import finish_pending  # waits for async saves
+
+            finish_pending()
     except BaseException:
         if created and dist.is_initialized():
             _leave_after_error()

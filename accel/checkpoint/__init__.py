@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from accel.checkpoint._async import wait_for_checkpoints
 from accel.checkpoint.model_io import (
     get_state_dict,
     load,
@@ -21,4 +22,5 @@ __all__ = [
     "save",
     "save_model",
     "save_state",
+    "wait_for_checkpoints",
 ]

@@ -22,7 +22,14 @@ import torch
 
 from accel.errors import CheckpointError
 
-__all__ = ["FileRecord", "fsync_dir", "read_safetensors", "write_bytes", "write_safetensors"]
+__all__ = [
+    "FileRecord",
+    "fsync_dir",
+    "read_safetensors",
+    "safetensors_prefix",
+    "write_bytes",
+    "write_safetensors",
+]
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
@@ -90,19 +97,15 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_safetensors(
-    path: str | os.PathLike[str],
-    tensors: Mapping[str, torch.Tensor],
-    *,
-    metadata: Mapping[str, str] | None = None,
-    root: str | os.PathLike[str] | None = None,
-    durable: bool = True,
-) -> FileRecord:
-    """Write ``tensors`` as a safetensors file, fsync it, and return its record.
+def safetensors_prefix(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, int]:
+    """The 8-byte length and JSON header of a safetensors file, and its data section's size.
 
-    Tensors are written in the order given; device and non-contiguous tensors are copied to
-    the host one at a time. ``durable=False`` (scratch files such as offloaded weights)
-    skips the checksum (the record's ``crc32`` is 0) and the fsync.
+    Tensors are laid out back to back in the order given.
+
+    Raises:
+        CheckpointError: a dtype safetensors cannot store, or a big-endian machine.
     """
     if sys.byteorder != "little":
         raise CheckpointError("safetensors files are little-endian; this machine is not.")
@@ -126,6 +129,24 @@ def write_safetensors(
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     prefix = struct.pack("<Q", len(encoded)) + encoded
+    return prefix, offset
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    root: str | os.PathLike[str] | None = None,
+    durable: bool = True,
+) -> FileRecord:
+    """Write ``tensors`` as a safetensors file, fsync it, and return its record.
+
+    Tensors are written in the order given; device and non-contiguous tensors are copied to
+    the host one at a time. ``durable=False`` (scratch files such as offloaded weights)
+    skips the checksum (the record's ``crc32`` is 0) and the fsync.
+    """
+    prefix, offset = safetensors_prefix(tensors, metadata)
     with open(path, "wb") as f:
         crc = zlib.crc32(prefix) if durable else 0
         f.write(prefix)

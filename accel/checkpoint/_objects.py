@@ -16,26 +16,38 @@ from typing import Any
 import torch
 
 from accel.checkpoint._encode import decode, encode
-from accel.checkpoint._format import FileRecord, read_safetensors, write_bytes, write_safetensors
+from accel.checkpoint._format import FileRecord, read_safetensors
+from accel.checkpoint._writer import PlannedFile, plan_bytes, plan_safetensors, write_files
 from accel.errors import CheckpointError
 
-__all__ = ["read_object", "write_object"]
+__all__ = ["plan_object", "read_object", "write_object"]
+
+
+def plan_object(
+    tmp: Path, name: str, state_dict: Any, extra: dict[str, Any] | None = None
+) -> list[PlannedFile]:
+    """Plan ``state_dict`` as ``NAME.safetensors`` (if it holds tensors) + ``NAME.json``.
+
+    The JSON body is encoded now (a snapshot of every non-tensor value); the tensors are
+    referenced, and written from their memory by :func:`~accel.checkpoint._writer.write_files`.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    structure = encode(state_dict, tensors)
+    files = []
+    if tensors:
+        files.append(plan_safetensors(tmp, f"{name}.safetensors", tensors))
+    body = json.dumps(
+        {"has_tensors": bool(tensors), "state": structure, "extra": extra or {}}
+    ).encode()
+    files.append(plan_bytes(tmp, f"{name}.json", body))
+    return files
 
 
 def write_object(
     tmp: Path, name: str, state_dict: Any, extra: dict[str, Any] | None = None
 ) -> list[FileRecord]:
     """Write ``state_dict`` as ``NAME.safetensors`` (if it holds tensors) + ``NAME.json``."""
-    tensors: dict[str, torch.Tensor] = {}
-    structure = encode(state_dict, tensors)
-    records = []
-    if tensors:
-        records.append(write_safetensors(tmp / f"{name}.safetensors", tensors, root=tmp))
-    body = json.dumps(
-        {"has_tensors": bool(tensors), "state": structure, "extra": extra or {}}
-    ).encode()
-    records.append(write_bytes(tmp / f"{name}.json", body, root=tmp))
-    return records
+    return write_files(plan_object(tmp, name, state_dict, extra))
 
 
 def read_object(

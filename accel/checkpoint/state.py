@@ -22,14 +22,10 @@ and uses only checkpoints that every machine holds, from one save (the manifests
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -37,23 +33,23 @@ import attrs
 import torch
 from torch import nn
 
-from accel._state import scope, state
+from accel._state import has_active_state, scope, state
 from accel.accumulation import _COUNTER as MODEL_COUNTER
 from accel.accumulation import _SCOPE_COUNTER as SCOPE_COUNTER
-from accel.checkpoint import _nodes, _place
-from accel.checkpoint._atomic import remove_dir, replace_dir
+from accel.checkpoint import _nodes, _saving
+from accel.checkpoint._async import finish_pending, launch
 from accel.checkpoint._fit import check_fits
-from accel.checkpoint._format import FileRecord, write_bytes
+from accel.checkpoint._format import FileRecord
 from accel.checkpoint._layout import (
-    FORMAT,
-    MANIFEST,
     candidates,
     check_step,
     latest_checkpoint,
     read_manifest,
 )
-from accel.checkpoint._objects import read_object, write_object
-from accel.checkpoint.rng import get_rng_state, set_rng_state
+from accel.checkpoint._objects import read_object
+from accel.checkpoint._saving import GRADS
+from accel.checkpoint._writer import PlannedFile, write_files
+from accel.checkpoint.rng import set_rng_state
 from accel.collectives import begin, gather_object
 from accel.errors import AccelError, CheckpointArgumentError, CheckpointError
 from accel.model import unwrap_model
@@ -63,7 +59,6 @@ __all__ = ["CheckpointInfo", "latest_checkpoint", "load_state", "save_state"]
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RESERVED = frozenset({"manifest", "rng", "grad_scaler"})
 GRAD_SCALER = "grad_scaler"
-GRADS = "__gradients"  # file suffix of a model's accumulated gradients
 
 
 @attrs.frozen
@@ -116,15 +111,6 @@ def _require_objects(objects: dict[str, Any], op: str, where: str | os.PathLike[
     )
 
 
-def _accumulation_step(holder: dict[str, Any], key: str) -> int | None:
-    value = holder.get(key)
-    return value if isinstance(value, int) else None
-
-
-def _gradients(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
-
-
 def _restore_gradients(module: nn.Module, grads: dict[str, torch.Tensor]) -> None:
     for name, param in module.named_parameters():
         grad = grads.get(name)
@@ -136,40 +122,6 @@ def _restore_gradients(module: nn.Module, grads: dict[str, torch.Tensor]) -> Non
             param.grad = grad.to(device=param.device, dtype=param.dtype).clone()
 
 
-def _state_dict_of(name: str, obj: Any) -> Any:
-    try:
-        return obj.state_dict()
-    except Exception as exc:
-        raise CheckpointError(
-            f"{name}.state_dict() raised {type(exc).__name__}: {exc}. Fix that object's "
-            "`state_dict()`; nothing was saved."
-        ) from exc
-
-
-def _write_rank_files(
-    tmp: Path, objects: dict[str, Any], rank: int, writer: bool
-) -> list[FileRecord]:
-    records: list[FileRecord] = []
-    for name, obj in objects.items():
-        if not isinstance(obj, nn.Module):
-            if writer:
-                records += write_object(tmp, name, _state_dict_of(name, obj))
-            continue
-        step = _accumulation_step(obj.__dict__, MODEL_COUNTER)  # accumulate() counts on it
-        if step:  # mid-cycle: each rank's local, not yet synced, gradients are state too
-            grads = _gradients(_unwrap(obj))
-            if grads:
-                records += write_object(tmp, f"{name}{GRADS}_rank{rank}", grads)
-        if writer:
-            extra = {"accumulation_step": step}
-            records += write_object(tmp, name, _state_dict_of(name, _unwrap(obj)), extra)
-    scope_step = _accumulation_step(scope().extras, SCOPE_COUNTER)
-    records += write_object(
-        tmp, f"rng_rank{rank}", get_rng_state(), {"accumulation_step": scope_step}
-    )
-    return records
-
-
 def _describe(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, AccelError) else f"{type(exc).__name__}: {exc}"
 
@@ -179,6 +131,7 @@ def save_state(
     *,
     step: int | None = None,
     total_limit: int | None = None,
+    async_save: bool = False,
     on_each_node: bool | None = None,
     **objects: Any,
 ) -> Path:
@@ -191,11 +144,19 @@ def save_state(
     the checkpoint is ``directory`` itself, which must be new, empty or an accel checkpoint:
     accel never replaces a directory holding anything it did not write.
 
+    With ``async_save=True`` it returns once every rank has copied its tensors into a staging
+    buffer (reused by the next save); the files are written by a background thread, and the
+    checkpoint is finished (manifest, rename, rotation) and its errors raised by the next
+    ``save_state``, ``load_state``, :func:`accel.wait_for_checkpoints` or the end of the
+    ``distributed()`` block, on every rank. Any call first finishes the previous such save.
+
     Args:
         directory: the checkpoint directory, or the root of numbered ones with ``step``.
         step: the training step (an ``int >= 0``); names the checkpoint and comes back from
             ``load_state``.
         total_limit: keep at most this many ``checkpoint_N`` directories under ``directory``.
+        async_save: snapshot now and write in the background (needs a ``distributed()``
+            block, whose end waits for the write).
         on_each_node: each machine's local main process writes a copy on its own disk (for
             machines without a shared filesystem), holding the objects and its machine's
             ranks' RNG files; default ``accel.state().on_each_node`` (False: rank 0 writes one
@@ -227,107 +188,34 @@ def save_state(
             f"total_limit={total_limit!r} needs `step=` (it rotates `checkpoint_N` "
             "directories) and must be >= 1, e.g. `save_state(root, step=i, total_limit=3, ...)`."
         )
+    if not isinstance(async_save, bool) or (async_save and not has_active_state()):
+        raise CheckpointArgumentError(
+            f"save_state(async_save={async_save!r}) takes True or False, and True needs a "
+            "`with accel.distributed():` block (its end waits for the background write). "
+            "Save inside the block, or call `save_state(..., async_save=False)`."
+        )
+    finish_pending()  # an earlier asynchronous save completes (or fails) first
     st = state()
     each = _nodes.resolve(on_each_node, "save_state")
-    writer, group = _nodes.writes(each), _nodes.group_of(each)
-    root = Path(directory)
-    numbered = step is not None
-    final = root / f"checkpoint_{step}" if numbered else root
     scaler = scope().grad_scaler
     if scaler is not None:
         objects = {**objects, GRAD_SCALER: scaler}
-    where = os.fspath(directory)
-    with ExitStack() as held:
-        name: str | None = None
-        problem: str | None = None
-        if writer:
-            try:
-                held.enter_context(_place.lock(root, numbered, where, each))
-                name = _place.prepare_target(directory, final, numbered).name
-            except Exception as exc:  # every rank must hear of it, not wait for a timeout
-                problem = _describe(exc)
-        save_id = uuid.uuid4().hex if st.is_main_process else None
-        problems, tmp_name, save_id = _nodes.settle_start(
-            gather_object((group, writer, name, problem, save_id)), group
-        )
-        if problems or tmp_name is None:
-            if name is not None:  # this machine got ready, another did not
-                remove_dir(final.with_name(name), owner=final)
-            raise CheckpointError("; ".join(problems) or f"save_state({where!r}) failed to start.")
-        tmp = final.with_name(tmp_name)
-        error: str | None = None
-        records: list[FileRecord] = []
-        try:
-            records = _write_rank_files(tmp, objects, st.rank, writer)
-        except Exception as exc:
-            error = _describe(exc)
-        reports = gather_object((st.rank, group, error, [attrs.astuple(r) for r in records]))
-        failures = [f"rank {r}: {e}" for r, _, e, _ in reports if e is not None]
-        mine: str | None = None
-        placed = False
-        if writer and not failures:
-            try:
-                ours = [(r, e, recs) for r, g, e, recs in reports if g == group]
-                manifest = _manifest(step, st.world_size, objects, ours, save_id)
-                write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-                replace_dir(tmp, final)
-                placed = True
-            except Exception as exc:
-                mine = f"rank {st.rank}: {_describe(exc)}"
-            else:
-                if total_limit is not None:
-                    try:
-                        _place.rotate(root, total_limit, final)
-                    except OSError as exc:
-                        warnings.warn(
-                            f"save_state: {os.fspath(final)!r} is saved, but removing older "
-                            f"checkpoints failed ({exc}); the next save retries.",
-                            stacklevel=2,
-                        )
-        ends = gather_object((mine, placed))
-        outcome = failures + [m for m, _ in ends if m is not None]
-        if outcome:
-            if writer:
-                remove_dir(tmp, owner=final)
-            state_of = (
-                "machines where it completed hold the new checkpoint, the others the previous "
-                "one (load_state only loads a checkpoint all machines hold from one save)"
-                if any(p for _, p in ends)
-                else "the previous checkpoint is intact"
-            )
-            raise CheckpointError(
-                f"save_state({where!r}) failed; {state_of}. Errors: {'; '.join(outcome)}"
-            )
-    return final
+    job = _saving.start(directory, step, total_limit, each, list(objects))
 
+    def plan() -> list[PlannedFile]:
+        return _saving.plan_rank_files(job.tmp, objects, st.rank, job.writer)
 
-def _manifest(
-    step: int | None, world_size: int, objects: dict[str, Any], reports: list[Any],
-    save_id: str,
-) -> dict[str, Any]:
-    return {
-        "format": FORMAT,
-        "version": 1,
-        "step": step,
-        "world_size": world_size,
-        "save_id": save_id,
-        "ranks": sorted({r for r, _, _ in reports}),
-        "objects": sorted(objects),
-        "created": datetime.now(timezone.utc).isoformat(),
-        "torch": torch.__version__,
-        "accel": _accel_version(),
-        "files": [
-            {"name": n, "size": s, "crc32": c, "rank": r}
-            for r, _, recs in reports
-            for n, s, c in recs
-        ],
-    }
-
-
-def _accel_version() -> str:
-    from accel import __version__
-
-    return __version__
+    if async_save:
+        launch(job, plan)
+        return job.final
+    error: str | None = None
+    records: list[FileRecord] = []
+    try:
+        records = write_files(plan())
+    except Exception as exc:
+        error = _describe(exc)
+    _saving.finish(job, records, error)
+    return job.final
 
 
 @attrs.frozen
@@ -495,6 +383,7 @@ def load_state(
     """
     _require_objects(objects, "load_state", directory)
     begin("load_state")
+    finish_pending()  # an asynchronous save completes (or fails) before anything is read
     _check_objects(objects, "load_state")
     st = state()
     each = _nodes.resolve(on_each_node, "load_state")
