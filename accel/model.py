@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from accel._ddp import DDPOptions, ddp_options, make_ddp, note_ignored
 from accel._state import state
 from accel.errors import AccelError, ConfigError
 from accel.precision import AutocastForward, autocast_dtype
@@ -107,11 +108,25 @@ def _collect_garbage_at_exit() -> None:
     atexit.register(gc.collect)
 
 
-def _wrap_ddp(module: nn.Module, device: torch.device, options: dict[str, Any]) -> nn.Module:
+def _wrap_ddp(module: nn.Module, device: torch.device, options: DDPOptions) -> nn.Module:
+    placement: dict[str, Any] = {}
     if device.type == "cuda" and device.index is not None:
-        options = {"device_ids": [device.index], "output_device": device.index, **options}
+        placement = {"device_ids": [device.index], "output_device": device.index}
     _collect_garbage_at_exit()
-    return DistributedDataParallel(module, **options)
+    return make_ddp(module, options, placement)
+
+
+def _no_ddp_reason(chosen: str, world_size: int, evaluation_mode: bool, model: nn.Module) -> str:
+    """Why no DDP wrapper applies, or ``""`` when one does."""
+    if world_size == 1:
+        return "one process"
+    if chosen != "ddp":
+        return f"strategy={chosen!r}"
+    if evaluation_mode:
+        return "evaluation_mode=True"
+    if not any(p.requires_grad for p in model.parameters()):
+        return "the model has no trainable parameter"
+    return ""
 
 
 def prepare_model(
@@ -141,14 +156,20 @@ def prepare_model(
         compile: wrap the result with :func:`torch.compile`; a mapping is passed to it as
             options, e.g. ``{"mode": "max-autotune"}`` or ``{"backend": "eager"}``.
         evaluation_mode: prepare for inference only (no DDP wrapper).
-        **strategy_options: keyword arguments for the strategy's wrapper, e.g.
-            ``find_unused_parameters=True`` or ``bucket_cap_mb=50`` for DDP.
+        **strategy_options: DDP options, overriding those of ``accel.distributed()`` and the
+            config file key by key: ``find_unused_parameters``, ``static_graph``,
+            ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``broadcast_buffers``,
+            ``comm_hook`` (``"no"``, ``"fp16"``, ``"bf16"``, ``"power_sgd"``,
+            ``"batched_power_sgd"`` or a callable ``hook(state, bucket)``), ``comm_wrapper``
+            (``"no"``, ``"fp16"``, ``"bf16"``), ``comm_state_option`` (PowerSGD options) and
+            ``comm_state`` (the state of a callable hook). Checked on every world size;
+            where no DDP wrapper applies they are ignored (said once, at debug level).
 
     Returns:
         The module to train with (the model itself, a DDP wrapper, or a compiled module).
 
     Raises:
-        ConfigError: unknown strategy, or strategy options without a wrapper to take them.
+        ConfigError: unknown strategy, unknown DDP option or invalid option value.
         StrategyNotImplementedError: ``strategy="fsdp"`` (not implemented yet).
 
     Example:
@@ -167,26 +188,17 @@ def prepare_model(
         return existing
     chosen = _resolve_strategy(strategy)
     st = state()
+    ddp = ddp_options(st.options, strategy_options)
     if device_placement:
         model = model.to(st.device)
     if st.mixed_precision != "no":
         _install_autocast_forward(model)
     result: nn.Module = model
-    wants_ddp = (
-        chosen == "ddp"
-        and st.world_size > 1
-        and not evaluation_mode
-        and any(p.requires_grad for p in model.parameters())
-    )
-    if wants_ddp:
-        result = _wrap_ddp(model, st.device, strategy_options)
-    elif strategy_options:
-        raise ConfigError(
-            f"strategy options {sorted(strategy_options)!r} were given but no strategy "
-            f"wrapper applies (strategy={chosen!r}, world_size={st.world_size}, "
-            f"evaluation_mode={evaluation_mode}). Drop them, or run with several processes "
-            "(`accel launch --nproc-per-node 2 script.py`)."
-        )
+    no_ddp = _no_ddp_reason(chosen, st.world_size, evaluation_mode, model)
+    if no_ddp:
+        note_ignored(ddp, no_ddp)
+    else:
+        result = _wrap_ddp(model, st.device, ddp)
     if compile:
         options = dict(compile) if isinstance(compile, Mapping) else {}
         result = torch.compile(result, **options)  # type: ignore[assignment]

@@ -171,7 +171,8 @@ def distributed(
             yield inner
         return
 
-    env = _with_config_file(read_launch_env())
+    env, file_options = _with_config_file(read_launch_env())
+    options = {**file_options, **options}  # distributed(**options) wins over the file
     use_cpu = cpu or bool(env.cpu)
     created = False
     if dist.is_available() and dist.is_initialized():
@@ -235,8 +236,13 @@ _CONFIG_KEYS = (
 )
 
 
-def _with_config_file(env: LaunchEnv) -> LaunchEnv:
-    """Fill the options the environment leaves unset from the config file (env wins)."""
+def _with_config_file(env: LaunchEnv) -> tuple[LaunchEnv, dict[str, Any]]:
+    """Fill the options the environment leaves unset from the config file (env wins).
+
+    Also returns the file's DDP options (``find_unused_parameters``, ``comm_hook``...), which
+    join ``accel.state().options`` under those passed to ``distributed()``.
+    """
+    from accel._ddp import CONFIG_OPTIONS
     from accel.launch.config import load_config
 
     config = load_config(env.config_file)
@@ -245,7 +251,8 @@ def _with_config_file(env: LaunchEnv) -> LaunchEnv:
         for key in _CONFIG_KEYS
         if key in config and getattr(env, key) is None
     }
-    return attrs.evolve(env, **missing) if missing else env
+    file_options = {key: config[key] for key in CONFIG_OPTIONS if key in config}
+    return (attrs.evolve(env, **missing) if missing else env), file_options
 
 
 def _teardown() -> None:

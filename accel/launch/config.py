@@ -11,6 +11,8 @@ The file is flat TOML, for example::
     num_processes = 2          # in total, across all machines
     mixed_precision = "bf16"
     gradient_accumulation_steps = 4
+    comm_hook = "power_sgd"    # DDP options: see docs/training.md
+    comm_state_option = {matrix_approximation_rank = 2}
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Literal
 
 import attrs
 
+from accel import _ddp
 from accel._env import LaunchEnv, read_launch_env
 from accel.errors import ConfigError
 
@@ -44,7 +47,7 @@ __all__ = [
 ]
 
 Source = Literal["command line", "environment", "config file", "default"]
-Kind = Literal["int", "float", "bool", "str", "choice"]
+Kind = Literal["int", "float", "bool", "str", "choice", "table"]
 
 
 @attrs.frozen
@@ -92,6 +95,28 @@ SETTINGS: Mapping[str, _Spec] = {
     "on_each_node": _Spec(
         "bool", "each machine's first process saves its own copy (no shared filesystem)", False
     ),
+    # DDP options (read by accel.prepare_model where it wraps a model in DDP)
+    "find_unused_parameters": _Spec(
+        "bool", "DDP: allow parameters that get no gradient in a step", False
+    ),
+    "static_graph": _Spec("bool", "DDP: the graph is the same every step", False),
+    "gradient_as_bucket_view": _Spec(
+        "bool", "DDP: gradients are views of the all-reduce buckets (saves memory)", False
+    ),
+    "bucket_cap_mb": _Spec("float", "DDP: all-reduce bucket size in MB", 25.0, minimum=0.0),
+    "broadcast_buffers": _Spec(
+        "bool", "DDP: copy rank 0's buffers to the others at the start and every forward", True
+    ),
+    "comm_hook": _Spec(
+        "choice", "DDP: how gradients are communicated", "no", choices=_ddp.COMM_HOOKS
+    ),
+    "comm_wrapper": _Spec(
+        "choice", "DDP: compress the comm_hook's input (e.g. fp16 around power_sgd)", "no",
+        choices=_ddp.COMM_WRAPPERS,
+    ),
+    "comm_state_option": _Spec(
+        "table", "DDP: PowerSGD options, e.g. {matrix_approximation_rank = 2}", {}
+    ),
 }
 """Every config key, its type, meaning, default (``None``: decided at run time) and limits."""
 
@@ -106,6 +131,8 @@ def _allowed(spec: _Spec) -> str:
         return "true or false"
     if spec.kind == "str":
         return "a non-empty string"
+    if spec.kind == "table":
+        return "an inline table"
     low = "" if spec.minimum is None else f" >= {spec.minimum:g}"
     high = "" if spec.maximum is None else f" and <= {spec.maximum:g}"
     noun = "a whole number" if spec.kind == "int" else "a number"
@@ -115,12 +142,16 @@ def _allowed(spec: _Spec) -> str:
 
 
 def _example(spec: _Spec) -> str:
+    if spec.kind == "table":
+        return "{matrix_approximation_rank = 2}"
     if spec.default is not None:
         return _toml_value(spec.default)
     if spec.kind == "choice":
         return _toml_value(spec.choices[0])
     if spec.kind == "str":
         return '"10.0.0.1"'
+    if spec.kind == "bool":
+        return "true"
     return str(int(spec.minimum or 0) + 1)
 
 
@@ -140,7 +171,7 @@ def validate_setting(key: str, value: object, origin: str = "config") -> object:
         origin: where it came from, for the error message (e.g. the file path).
 
     Returns:
-        The value as int, float, bool or str.
+        The value as int, float, bool, str or (``comm_state_option``) dict.
 
     Raises:
         ConfigError: unknown key, or a value of the wrong type or out of range; the message
@@ -156,6 +187,8 @@ def validate_setting(key: str, value: object, origin: str = "config") -> object:
             f"{origin}: unknown setting {key!r}; the known ones are {sorted(SETTINGS)}. "
             "Remove or rename it (`accel config` writes a valid file)."
         )
+    if spec.kind == "table":
+        return _ddp.check_option(key, _table(key, value, spec, origin), origin)
     if spec.kind == "bool":
         if isinstance(value, bool):
             return value
@@ -192,6 +225,19 @@ def validate_setting(key: str, value: object, origin: str = "config") -> object:
     if spec.maximum is not None and number > spec.maximum:
         raise _invalid(key, value, spec, origin)
     return number
+
+
+def _table(key: str, value: object, spec: _Spec, origin: str) -> object:
+    """An inline table as text (``{rank = 2}``, from a prompt) becomes a dict."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed: object = _toml_module().loads(f"value = {value}")["value"]
+    except Exception:  # any TOML error: report the text as given
+        raise _invalid(key, value, spec, origin) from None
+    if not isinstance(parsed, dict):
+        raise _invalid(key, value, spec, origin)
+    return parsed
 
 
 def _check_consistency(settings: Mapping[str, object], origin: str) -> None:
@@ -311,7 +357,10 @@ def load_config(path: str | os.PathLike[str] | None = None) -> dict[str, object]
         The settings the file sets, typed: keys among ``num_machines``, ``num_processes``
         (total), ``machine_rank``, ``main_process_ip``, ``main_process_port``,
         ``max_restarts``, ``mixed_precision``, ``gradient_accumulation_steps``, ``strategy``,
-        ``backend``, ``cpu``, ``debug``, ``timeout``, ``on_each_node``.
+        ``backend``, ``cpu``, ``debug``, ``timeout``, ``on_each_node`` and the DDP options
+        ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
+        ``bucket_cap_mb``, ``broadcast_buffers``, ``comm_hook``, ``comm_wrapper``,
+        ``comm_state_option``.
 
     Raises:
         ConfigError: the named file is missing, unreadable or not UTF-8 text, or a key or
@@ -424,6 +473,8 @@ def _toml_value(value: object) -> str:
         return str(value)
     if isinstance(value, float):
         return repr(value)
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     if isinstance(value, str):
         escaped = value.replace("\\", "\\\\").replace('"', '\\"')
         for code in (*range(0x20), 0x7F):
