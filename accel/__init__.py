@@ -86,6 +86,7 @@ _LAZY: dict[str, str] = {
     "CheckpointInfo": "accel.checkpoint",
     "load": "accel.checkpoint",
     "wait_for_checkpoints": "accel.checkpoint",
+    "stop_requested": "accel.preemption",
     # big models
     "init_empty_weights": "accel.big_model",
     "init_on_device": "accel.big_model",
@@ -190,6 +191,7 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.optim import prepare_scheduler as prepare_scheduler
     from accel.optim import unscale_gradients as unscale_gradients
     from accel.precision import autocast as autocast
+    from accel.preemption import stop_requested as stop_requested
     from accel.preparation import prepare as prepare
     from accel.process_group import distributed as distributed
     from accel.profiling import profile as profile

@@ -24,6 +24,7 @@ from accel._state import (
     state,
 )
 from accel.errors import ConfigError
+from accel.preemption import stop_watch_scope
 
 __all__ = ["distributed"]
 
@@ -215,7 +216,7 @@ def distributed(
         **policy,
     )
     try:
-        with set_state(current, Scope(created_group=created)):
+        with set_state(current, Scope(created_group=created)), stop_watch_scope():
             if seed is not None:
                 _seed(seed)
             yield current
