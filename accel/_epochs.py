@@ -87,11 +87,12 @@ def seeded_copy(batch_sampler: Any, dataset: Any, *, shared: bool) -> tuple[Any,
     return batch_sampler, Reseeder(generator, seed, targets)
 
 
-@attrs.frozen
+@attrs.define
 class WorkerSeeds:
     """Reseeds a loader's own generator each epoch, from which ``DataLoader`` draws the
     worker seeds: the user's global RNG is never consumed (exact resume) and each epoch,
-    rank and resume of it draws the same seeds.
+    rank and resume of it draws the same seeds. ``base`` is the same on every rank and is
+    part of the loader's state (restoring it changes it in place, for every view).
 
     Example:
         >>> WorkerSeeds(base=7, rank=1).apply(loader.generator, epoch=2)
@@ -106,17 +107,13 @@ class WorkerSeeds:
 
 def worker_seeds(loader: DataLoader[Any], rank: int) -> WorkerSeeds:
     """The worker seeds of a loader: from its generator's seed, else ``state().seed``, else
-    a random draw (once, while preparing).
+    rank 0's random draw (once, while preparing; broadcast, a collective then).
 
     Example:
         >>> worker_seeds(DataLoader(range(4), generator=torch.Generator().manual_seed(3)), 0)
         WorkerSeeds(base=3, rank=0)
     """
-    own, seed = loader.generator, state().seed
+    own = loader.generator
     if isinstance(own, torch.Generator):
-        base = own.initial_seed()
-    elif seed is not None:
-        base = int(seed)
-    else:
-        base = int(torch.empty((), dtype=torch.int64).random_().item())
-    return WorkerSeeds(base, rank)
+        return WorkerSeeds(own.initial_seed(), rank)
+    return WorkerSeeds(epoch_seed(None, shared=True), rank)

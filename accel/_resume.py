@@ -1,10 +1,132 @@
-"""Loader positions across world sizes: which batch a resumed rank continues from."""
+"""Loader states: the position and seeds a resumed loader continues from.
+
+A prepared loader's ``state_dict()`` holds its position (epoch, batches yielded on each rank,
+the world size and batch splitting it was counted with) and its seeds: the shuffle seed (the
+base of every epoch's permutation) and the base of its worker seeds. With them a resumed
+loader continues the same order whatever the new process's global RNG. A state without seeds
+(saved before they were recorded) keeps the resumed loader's own seeds.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from accel._sharding import Reseeder, ShardedBatchSampler, StreamShard
 from accel.errors import CheckpointError
 
-__all__ = ["rederive_position"]
+__all__ = ["LoaderState", "loader_state", "read_loader_state", "rederive_position",
+           "shuffle_reseeder"]
+
+_POSITION_KEYS = ("epoch", "batches_yielded")
+_SEED_KEYS = ("shuffle_seed", "worker_seed")
+
+
+@attrs.frozen
+class LoaderState:
+    """A validated loader state, its position re-derived for this world size.
+
+    ``None`` seeds mean "keep the loader's own" (a state without them).
+
+    Example:
+        >>> LoaderState(epoch=1, yielded=3, shuffle_seed=42, worker_seed=7)
+        LoaderState(epoch=1, yielded=3, shuffle_seed=42, worker_seed=7)
+    """
+
+    epoch: int
+    yielded: int
+    shuffle_seed: int | None = None
+    worker_seed: int | None = None
+
+
+def loader_state(
+    epoch: int,
+    yielded: int,
+    *,
+    world_size: int,
+    split_batches: bool,
+    shuffle_seed: int | None,
+    worker_seed: int,
+) -> dict[str, int | None]:
+    """What ``PreparedDataLoader.state_dict()`` returns (plain ints: exact in JSON).
+
+    Example:
+        >>> loader_state(1, 3, world_size=2, split_batches=False, shuffle_seed=5, worker_seed=5)
+        {'epoch': 1, 'batches_yielded': 3, 'world_size': 2, 'split_batches': 0, \
+'shuffle_seed': 5, 'worker_seed': 5}
+    """
+    return {
+        "epoch": epoch,
+        "batches_yielded": yielded,
+        "world_size": world_size,
+        "split_batches": int(split_batches),
+        "shuffle_seed": shuffle_seed,
+        "worker_seed": worker_seed,
+    }
+
+
+def read_loader_state(
+    state_dict: Any, *, world_size: int, split_batches: bool
+) -> LoaderState:
+    """Check a loader state and re-derive its position for ``world_size`` processes.
+
+    Raises:
+        CheckpointError: it is not a loader state, or its position cannot be continued.
+
+    Example:
+        >>> read_loader_state({"epoch": 1, "batches_yielded": 4, "world_size": 2},
+        ...                   world_size=4, split_batches=False)
+        LoaderState(epoch=1, yielded=2, shuffle_seed=None, worker_seed=None)
+    """
+    values: list[int] = []
+    for key in _POSITION_KEYS:
+        value = state_dict.get(key) if isinstance(state_dict, Mapping) else None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CheckpointError(
+                f"a data loader position needs non-negative integers {list(_POSITION_KEYS)}, "
+                f"got {state_dict!r}. Pass what `loader.state_dict()` returned."
+            )
+        values.append(value)
+    assert isinstance(state_dict, Mapping)
+    seeds: list[int | None] = []
+    for key in _SEED_KEYS:
+        seed = state_dict.get(key)
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise CheckpointError(
+                f"a data loader state's {key!r} must be an integer or None, got {seed!r} in "
+                f"{state_dict!r}. Pass what `loader.state_dict()` returned."
+            )
+        seeds.append(seed)
+    epoch, yielded = values
+    saved_world = state_dict.get("world_size", world_size)
+    if not isinstance(saved_world, int) or isinstance(saved_world, bool) or saved_world < 1:
+        raise CheckpointError(
+            f"a data loader state's 'world_size' must be a positive integer, got "
+            f"{saved_world!r}. Pass what `loader.state_dict()` returned."
+        )
+    saved_split = bool(state_dict.get("split_batches", split_batches))
+    if saved_world != world_size or saved_split != split_batches:
+        yielded = rederive_position(
+            yielded, saved=(saved_world, saved_split), now=(world_size, split_batches)
+        )
+    return LoaderState(epoch, yielded, seeds[0], seeds[1])
+
+
+def shuffle_reseeder(*holders: object) -> Reseeder | None:
+    """The reseeder that shuffles a loader: the first sharded sampler or stream among
+    ``holders`` whose reseeder owns a generator, else ``None`` (nothing to seed).
+
+    Example:
+        >>> shuffle_reseeder(loader._sharded, loader._stream)
+        Reseeder(generator=<torch._C.Generator ...>, seed=7, targets=())
+    """
+    for holder in holders:
+        reseed = holder.reseed if isinstance(holder, ShardedBatchSampler | StreamShard) else None
+        if reseed is not None and reseed.generator is not None:
+            return reseed
+    return None
 
 
 def rederive_position(yielded: int, *, saved: tuple[int, bool], now: tuple[int, bool]) -> int:

@@ -474,6 +474,9 @@ def dispatch_slice_size(observed: int, world_size: int, *, last: bool) -> int:
 class Reseeder:
     """Per epoch: reseed the sampler's generator with ``seed + epoch`` and call ``set_epoch``.
 
+    ``seed + epoch`` wraps modulo ``2**64`` (as ``torch.Generator.manual_seed`` reads negative
+    seeds), so any seed a generator can hold works for every epoch.
+
     Example:
         >>> Reseeder(torch.Generator(), 7, (sampler,))(2)  # seed 9, sampler.set_epoch(2)
     """
@@ -484,7 +487,7 @@ class Reseeder:
 
     def __call__(self, epoch: int) -> None:
         if self.generator is not None:
-            self.generator.manual_seed(self.seed + epoch)
+            self.generator.manual_seed((self.seed + epoch) % 2**64)  # a generator's range
         for target in self.targets:
             target.set_epoch(epoch)
 

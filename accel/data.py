@@ -33,21 +33,15 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from accel._dispatch import concat_rounds, dispatch_rounds
 from accel._epochs import WorkerSeeds, seeded_copy, stream_reseeder, worker_seeds
-from accel._resume import rederive_position
-from accel._sharding import (
-    FinalRound,
-    ShardedBatchSampler,
-    ShardSpec,
-    StreamShard,
-)
+from accel._resume import loader_state, read_loader_state, shuffle_reseeder
+from accel._sharding import FinalRound, Reseeder, ShardedBatchSampler, ShardSpec, StreamShard
 from accel._state import scope, state
 from accel._tree import map_tensors
-from accel.errors import AccelError, CheckpointError, ConfigError
+from accel.errors import AccelError, ConfigError
 
 __all__ = ["PreparedDataLoader", "prepare_data_loader", "skip_first_batches"]
 
 Mode = Literal["shard", "stream", "dispatch"]
-_STATE_KEYS = ("epoch", "batches_yielded")
 
 
 class DataLoaderTypeError(AccelError, TypeError):
@@ -211,56 +205,57 @@ class PreparedDataLoader(DataLoader[Any]):
         if not (cursor.pending and cursor.epoch == epoch):
             cursor.epoch, cursor.yielded, cursor.pending = int(epoch), 0, True
 
-    def state_dict(self) -> dict[str, int]:
-        """The exact position: epoch and batches of it already yielded on this rank.
+    def state_dict(self) -> dict[str, int | None]:
+        """The exact position and seeds: everything needed to continue the same order.
 
-        The world size and batch splitting are recorded too, so a position saved by one
-        number of processes can be re-derived for another (see :meth:`load_state_dict`).
+        ``epoch`` and ``batches_yielded`` (on this rank) with the world size and batch
+        splitting they were counted with (so another number of processes can re-derive the
+        position), ``shuffle_seed`` (``None`` without a shuffle of the loader's own) and
+        ``worker_seed``: the same on every rank.
 
         Example:
             >>> loader.state_dict()
-            {'epoch': 1, 'batches_yielded': 3, 'world_size': 2, 'split_batches': 0}
+            {'epoch': 1, 'batches_yielded': 3, 'world_size': 2, 'split_batches': 0,
+             'shuffle_seed': 8262917305619414281, 'worker_seed': 8262917305619414281}
         """
-        cursor = self._cursor
-        return {
-            "epoch": cursor.epoch,
-            "batches_yielded": cursor.yielded,
-            "world_size": self._plan.world_size,
-            "split_batches": int(self._plan.split_batches),
-        }
+        cursor, plan, shuffle = self._cursor, self._plan, self._shuffle()
+        return loader_state(
+            cursor.epoch, cursor.yielded, world_size=plan.world_size,
+            split_batches=plan.split_batches, worker_seed=self.worker_seeds.base,
+            shuffle_seed=None if shuffle is None else shuffle.seed,
+        )
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Resume at a position from :meth:`state_dict`: the next iteration continues it.
+    def load_state_dict(self, state_dict: dict[str, int | None]) -> None:
+        """Resume at a state from :meth:`state_dict`: the next iteration continues it.
 
-        Skipped batches are skipped by index (map-style datasets) without loading them.
+        The saved seeds replace the loader's own, so this epoch and the next ones have the
+        saved run's order whatever the global RNG was when this loader was prepared (a state
+        without seeds keeps the loader's own). Skipped batches are skipped by index
+        (map-style datasets) without loading them.
 
         Raises:
-            CheckpointError: The dictionary is not a loader position.
+            CheckpointError: The dictionary is not a loader state.
 
         Example:
             >>> loader.load_state_dict({"epoch": 1, "batches_yielded": 3})
             >>> next(iter(loader))  # batch 3 of epoch 1
         """
-        values: list[int] = []
-        for key in _STATE_KEYS:
-            value = state_dict.get(key) if isinstance(state_dict, dict) else None
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise CheckpointError(
-                    f"a data loader position needs non-negative integers {list(_STATE_KEYS)}, "
-                    f"got {state_dict!r}. Pass what `loader.state_dict()` returned."
-                )
-            values.append(value)
-        epoch, yielded = values
-        saved_world = state_dict.get("world_size", self._plan.world_size)
-        saved_split = bool(state_dict.get("split_batches", self._plan.split_batches))
-        if saved_world != self._plan.world_size or saved_split != self._plan.split_batches:
-            yielded = rederive_position(
-                yielded,
-                saved=(int(saved_world), saved_split),
-                now=(self._plan.world_size, self._plan.split_batches),
-            )
+        plan = self._plan
+        saved = read_loader_state(
+            state_dict, world_size=plan.world_size, split_batches=plan.split_batches
+        )
+        shuffle = self._shuffle()
+        if shuffle is not None and saved.shuffle_seed is not None:
+            shuffle.seed = saved.shuffle_seed
+        if saved.worker_seed is not None:
+            self.worker_seeds.base = saved.worker_seed
         cursor = self._cursor
-        cursor.epoch, cursor.yielded, cursor.pending = epoch, yielded, True
+        cursor.epoch, cursor.yielded, cursor.pending = saved.epoch, saved.yielded, True
+
+    def _shuffle(self) -> Reseeder | None:
+        base = self._base
+        held = () if base is None else (base.batch_sampler, base.sampler, base.dataset)
+        return shuffle_reseeder(self._sharded, self._stream, *held)
 
     def _begin(self) -> tuple[int, int]:
         cursor = self._cursor
@@ -417,7 +412,7 @@ def prepare_data_loader(
 ) -> DataLoader[Any]:
     """Shard a ``DataLoader`` for this rank and place its batches on the state's device.
 
-    Every rank must call it (it may broadcast a shuffle seed). Batch ``i`` of the original
+    Every rank must call it (it may broadcast seeds). Batch ``i`` of the original
     loader goes to rank ``i % world_size``; with ``split_batches`` every batch is cut into
     ``world_size`` slices instead. ``even_batches`` (map-style datasets) completes the last
     round with samples from the start of the epoch so every rank gets the same number of
@@ -562,7 +557,10 @@ def _sharded_sampler(
 
 
 def _base_loader(loader: DataLoader[Any], options: dict[str, Any]) -> DataLoader[Any]:
-    """The unsharded loader rank 0 reads in dispatch mode (seeded per epoch, skips cheaply)."""
+    """The unsharded loader rank 0 reads in dispatch mode (seeded per epoch, skips cheaply).
+
+    Its shuffle seed is rank 0's on every rank, so every rank's ``state_dict()`` agrees.
+    """
     options = {key: value for key, value in options.items() if key != "worker_seeds"}
     options["generator"] = torch.Generator()
     single = _Plan(
@@ -575,11 +573,11 @@ def _base_loader(loader: DataLoader[Any], options: dict[str, Any]) -> DataLoader
             loader.dataset, rank=0, world_size=1, per_rank=loader.batch_size,
             drop_last=bool(loader.drop_last),
         )
-        stream.reseed = stream_reseeder(loader.dataset, shared=False)
+        stream.reseed = stream_reseeder(loader.dataset, shared=True)
         return DataLoader(
             stream, batch_size=loader.batch_size, drop_last=bool(loader.drop_last), **options
         )
-    sharded = _sharded_sampler(loader, single, even_batches=True, shared=False)
+    sharded = _sharded_sampler(loader, single, even_batches=True, shared=True)
     if loader.batch_sampler is None:
         return DataLoader(loader.dataset, sampler=sharded, batch_size=None, **options)
     return DataLoader(loader.dataset, batch_sampler=sharded, **options)
