@@ -9,6 +9,7 @@ iterations and compresses, and the ranks stay equal; a callable: it is called).
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +99,13 @@ def _options_body(tmp: str) -> dict[str, Any]:
     # options from prepare_model, over distributed()'s bucket_cap_mb=5
     net = _WithBuffer()
     net.mark.fill_(float(rank + 1))
-    model = accel.prepare_model(
-        net, static_graph=False, gradient_as_bucket_view=True, bucket_cap_mb=7,
-        broadcast_buffers=False,
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = accel.prepare_model(
+            net, static_graph=False, gradient_as_bucket_view=True, bucket_cap_mb=7,
+            broadcast_buffers=False,
+        )
+    out["warnings"] = [str(w.message) for w in caught if "broadcast_buffers" in str(w.message)]
     assert isinstance(model, DistributedDataParallel)
     model(torch.ones(2, 4)).sum().backward()
     out["prepare"] = {
@@ -143,6 +147,7 @@ def test_options_reach_the_ddp_wrapper() -> None:
     mib = 1024 * 1024
     for rank, result in enumerate(results):
         assert result["run_options"] == {"find_unused_parameters": True, "bucket_cap_mb": 5}
+        assert result["warnings"] == []  # accel's option, not torch's deprecation
         prepared = result["prepare"]
         assert prepared["find_unused_parameters"] is True
         assert prepared["static_graph"] is False
