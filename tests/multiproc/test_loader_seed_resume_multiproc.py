@@ -147,3 +147,33 @@ def test_saved_on_two_processes_resumed_by_new_processes(tmp_path: Path) -> None
     expected = run_distributed(_save_body, ckpt, world_size=2, timeout=120)
     assert all(expected)
     assert run_distributed(_load_body, ckpt, world_size=2, timeout=120) == expected
+
+
+def _save_seed_body(ckpt: str) -> int:
+    torch.manual_seed(41)
+    loader = _make("map", False, False)
+    _lists(loader)
+    for index, _batch in enumerate(loader):
+        if index == 1:
+            break
+    accel.save_state(ckpt, train_loader=loader)
+    seed = loader.state_dict()["shuffle_seed"]
+    assert isinstance(seed, int)
+    return seed
+
+
+def test_saved_on_two_processes_resumed_on_one(tmp_path: Path) -> None:
+    """2 ranks x 2 batches = global batch 4 of epoch 1, continued in the saved shuffle."""
+    ckpt = str(tmp_path / "ckpt")
+    seed = run_distributed(_save_seed_body, ckpt, world_size=2, timeout=120)[0]
+    with accel.distributed(cpu=True):
+        same_shuffle = prepare_data_loader(DataLoader(
+            range(29), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(seed)
+        ))
+        reference = [_lists(same_shuffle), _lists(same_shuffle)]
+        torch.manual_seed(5)
+        resumed = _make("map", False, False)
+        with pytest.warns(UserWarning, match="RNG states are not restored"):
+            accel.load_state(ckpt, train_loader=resumed)  # the loader's seeds are
+        assert (resumed.epoch, resumed.state_dict()["batches_yielded"]) == (1, 4)
+        assert _lists(resumed) == reference[1][4:]
