@@ -11,8 +11,6 @@ The file is flat TOML, for example::
     num_processes = 2          # in total, across all machines
     mixed_precision = "bf16"
     gradient_accumulation_steps = 4
-    comm_hook = "power_sgd"    # DDP options: see docs/training.md
-    comm_state_option = {matrix_approximation_rank = 2}
 """
 
 from __future__ import annotations
@@ -96,27 +94,15 @@ SETTINGS: Mapping[str, _Spec] = {
         "bool", "each machine's first process saves its own copy (no shared filesystem)", False
     ),
     # DDP options (read by accel.prepare_model where it wraps a model in DDP)
-    "find_unused_parameters": _Spec(
-        "bool", "DDP: allow parameters that get no gradient in a step", False
-    ),
+    "find_unused_parameters": _Spec("bool", "DDP: allow parameters with no gradient", False),
     "static_graph": _Spec("bool", "DDP: the graph is the same every step", False),
-    "gradient_as_bucket_view": _Spec(
-        "bool", "DDP: gradients are views of the all-reduce buckets (saves memory)", False
-    ),
+    "gradient_as_bucket_view": _Spec("bool", "DDP: gradients are views of its buckets", False),
     "bucket_cap_mb": _Spec("float", "DDP: all-reduce bucket size in MB", 25.0, minimum=0.0),
-    "broadcast_buffers": _Spec(
-        "bool", "DDP: copy rank 0's buffers to the others at the start and every forward", True
-    ),
-    "comm_hook": _Spec(
-        "choice", "DDP: how gradients are communicated", "no", choices=_ddp.COMM_HOOKS
-    ),
-    "comm_wrapper": _Spec(
-        "choice", "DDP: compress the comm_hook's input (e.g. fp16 around power_sgd)", "no",
-        choices=_ddp.COMM_WRAPPERS,
-    ),
-    "comm_state_option": _Spec(
-        "table", "DDP: PowerSGD options, e.g. {matrix_approximation_rank = 2}", {}
-    ),
+    "broadcast_buffers": _Spec("bool", "DDP: copy rank 0's buffers to the others", True),
+    "comm_hook": _Spec("choice", "DDP: gradient communication", "no", choices=_ddp.COMM_HOOKS),
+    "comm_wrapper": _Spec("choice", "DDP: cast the hook's input", "no",
+                          choices=_ddp.COMM_WRAPPERS),
+    "comm_state_option": _Spec("table", "DDP: PowerSGD options (an inline table)", {}),
 }
 """Every config key, its type, meaning, default (``None``: decided at run time) and limits."""
 
@@ -188,7 +174,7 @@ def validate_setting(key: str, value: object, origin: str = "config") -> object:
             "Remove or rename it (`accel config` writes a valid file)."
         )
     if spec.kind == "table":
-        return _ddp.check_option(key, _table(key, value, spec, origin), origin)
+        return _ddp.check_option(key, value, origin)
     if spec.kind == "bool":
         if isinstance(value, bool):
             return value
@@ -225,19 +211,6 @@ def validate_setting(key: str, value: object, origin: str = "config") -> object:
     if spec.maximum is not None and number > spec.maximum:
         raise _invalid(key, value, spec, origin)
     return number
-
-
-def _table(key: str, value: object, spec: _Spec, origin: str) -> object:
-    """An inline table as text (``{rank = 2}``, from a prompt) becomes a dict."""
-    if not isinstance(value, str):
-        return value
-    try:
-        parsed: object = _toml_module().loads(f"value = {value}")["value"]
-    except Exception:  # any TOML error: report the text as given
-        raise _invalid(key, value, spec, origin) from None
-    if not isinstance(parsed, dict):
-        raise _invalid(key, value, spec, origin)
-    return parsed
 
 
 def _check_consistency(settings: Mapping[str, object], origin: str) -> None:
@@ -357,10 +330,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> dict[str, object]
         The settings the file sets, typed: keys among ``num_machines``, ``num_processes``
         (total), ``machine_rank``, ``main_process_ip``, ``main_process_port``,
         ``max_restarts``, ``mixed_precision``, ``gradient_accumulation_steps``, ``strategy``,
-        ``backend``, ``cpu``, ``debug``, ``timeout``, ``on_each_node`` and the DDP options
-        ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
-        ``bucket_cap_mb``, ``broadcast_buffers``, ``comm_hook``, ``comm_wrapper``,
-        ``comm_state_option``.
+        ``backend``, ``cpu``, ``debug``, ``timeout``, ``on_each_node`` and the DDP options.
 
     Raises:
         ConfigError: the named file is missing, unreadable or not UTF-8 text, or a key or
