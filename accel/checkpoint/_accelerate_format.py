@@ -144,7 +144,8 @@ def _torch_file(path: Path, name: str) -> Any:
             path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
         )
     except pickle.UnpicklingError as exc:
-        reason = " ".join(str(exc).split())[-300:]
+        flat = " ".join(str(exc).split())
+        reason = re.sub(r".*WeightsUnpickler error:\s*", "", flat).split(" Check the doc")[0]
         raise CheckpointError(
             f"{os.fspath(path)!r} (the state of {name}=) was refused: torch.load("
             f"weights_only=True) cannot read it ({reason}). accel never unpickles "
@@ -330,11 +331,17 @@ def _read(path: Path, objects: dict[str, Any]) -> _Read:
     counts: dict[str, int] = {}
     states: dict[str, Any] = {}
     used: list[str] = []
+    kinds = {name: _kind(obj) for name, obj in objects.items()}
     for name, obj in objects.items():
-        kind = _kind(obj)
+        kind = kinds[name]
         index = counts.get(kind, 0)
         counts[kind] = index + 1
-        states[name], files = _read_one(path, name, kind, index, obj)
+        try:
+            states[name], files = _read_one(path, name, kind, index, obj)
+        except CheckpointError as exc:
+            if list(kinds.values()).count(kind) < 2 or _ORDER_FIX in str(exc):
+                raise
+            raise CheckpointError(f"{exc} {_ORDER_FIX}") from None
         used += files
     scaler = None
     if scope().grad_scaler is not None and "scaler" not in counts and (path / _SCALER).is_file():
