@@ -276,7 +276,7 @@ def ddp_options(run_options: Mapping[str, Any], given: Mapping[str, Any]) -> DDP
             origin = "accel.distributed() or the config file"
             merged[key] = check_option(key, run_options[key], origin)
     hook = merged.get("comm_hook", "no")
-    if "comm_state" in merged and not callable(hook):
+    if merged.get("comm_state") is not None and not callable(hook):
         raise ConfigError(
             f"DDP option comm_state={merged['comm_state']!r} is the state of a hook you "
             f"write, but comm_hook={hook!r}. Pass your hook too "

@@ -207,6 +207,7 @@ def test_values_are_normalised() -> None:
     assert _ddp.check_option("comm_hook", " FP16 ") == "fp16"
     assert _ddp.check_option("comm_hook", None) == "no"
     assert _ddp.check_option("comm_state_option", None) == {}
+    assert _ddp.ddp_options({}, {"comm_state": None, "comm_hook": "fp16"}).comm_state is None
     with pytest.raises(ConfigError, match="unknown DDP option 'dim'"):
         _ddp.check_option("dim", 0)
 
