@@ -50,6 +50,7 @@ __all__ = ["AccelerateCheckpointInfo", "describe_found", "load_accelerate_state"
 _LOG = get_logger(__name__)
 _SAMPLER_CLASS = "accelerate.data_loader.SeedableRandomSampler"
 _SCALER = "scaler.pt"
+_ACCEL_RANK_FILE = "rng_rank0.json"  # every accel save_state writes it
 _RNG = re.compile(r"^random_states_(\d+)\.pkl$")
 _CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
 _KNOWN = re.compile(
@@ -93,8 +94,8 @@ def _entries(path: Path) -> list[str]:
 
 def _is_accelerate(path: Path) -> bool:
     """Whether ``path`` is a directory laid out by Accelerate (and not an accel checkpoint)."""
-    if not path.is_dir() or (path / MANIFEST).exists():
-        return False
+    if not path.is_dir() or (path / MANIFEST).exists() or (path / _ACCEL_RANK_FILE).exists():
+        return False  # accel's own (complete or not): load_state's own checks handle it
     return any(_KNOWN.match(name) or _SHARDED.match(name) for name in _entries(path))
 
 

@@ -563,3 +563,15 @@ def test_real_accelerate_save_state(
     _train(model, opt, sched, 1)
     assert _same(load_file(out / "after.safetensors"), model.state_dict())
     assert sched.get_last_lr()[0] == last_lr
+
+
+def test_accel_checkpoint_without_manifest_is_not_taken_for_accelerate(tmp_path: Path) -> None:
+    old, new, fresh = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+    with accel.distributed():
+        accel.save_state(tmp_path / "root", step=1, model=old)
+        accel.save_state(tmp_path / "root", step=2, model=new)
+        (tmp_path / "root" / "checkpoint_2" / "manifest.json").unlink()  # holds model.safetensors
+        with pytest.warns(UserWarning, match="skipped checkpoints that failed verification"):
+            info = accel.load_state(tmp_path / "root", model=fresh)
+    assert info is not None and not isinstance(info, AccelerateCheckpointInfo) and info.step == 1
+    assert _same(old.state_dict(), fresh.state_dict())
