@@ -23,6 +23,7 @@ from accel._state import (
     set_state,
     state,
 )
+from accel.checkpoint._async import pending_saves
 from accel.errors import ConfigError
 from accel.preemption import stop_watch_scope
 
@@ -216,13 +217,11 @@ def distributed(
         **policy,
     )
     try:
-        with set_state(current, Scope(created_group=created)), stop_watch_scope():
+        with set_state(current, Scope(created_group=created)), stop_watch_scope(), \
+                pending_saves():  # the end of the block finishes (or drops) async saves
             if seed is not None:
                 _seed(seed)
             yield current
-            from accel.checkpoint._async import finish_pending  # waits for async saves
-
-            finish_pending()
     except BaseException:
         if created and dist.is_initialized():
             _leave_after_error()

@@ -1,16 +1,25 @@
-"""save_state / load_state throughput against dd and raw safetensors; prints JSON.
+"""save_state / load_state against dd and HuggingFace Accelerate, in one run; prints JSON.
 
 Model: 8 x Linear(4096, 4096) (~537 MB fp32) with AdamW state after one step (~1.6 GB in
-all). In one run, for the same byte count:
-- ``dd``: ``dd if=/dev/zero bs=64M conv=fdatasync`` writing, then reading the file back,
-- ``safetensors``: ``safetensors.torch.save_file`` (+ fsync) of model and optimizer tensors,
-  and ``load_file``,
-- ``accel``: ``accel.save_state`` (atomic, fsynced, CRC32-checked) and ``accel.load_state``
-  (verifies sizes and CRC32s).
-Load times are "hot" (files in the page cache). Peak RSS growth during save is reported from
-a background sampler, against the bytes of model + optimizer already in memory.
+all). Each repetition measures, for the same byte count and in this order:
 
-Usage: python bench/checkpoint.py [--dir /tmp/accel-bench] [--layers 8]
+- ``dd``: ``dd if=/dev/zero bs=64M iflag=count_bytes count=BYTES conv=fdatasync``;
+- ``accel``: ``accel.save_state`` (temporary directory, CRC32 of every byte, fsync of every
+  file and directory, manifest, atomic rename), then ``accel.load_state`` hot (files in the
+  page cache; sizes and CRC32s verified before anything changes);
+- ``accelerate`` (when ``--accelerate-python`` has Accelerate, default /work/benchvenv):
+  ``Accelerator.save_state`` + ``os.sync()``, then ``Accelerator.load_state`` hot, in a child
+  process running that interpreter on the same model;
+- ``async``: ``accel.save_state(..., async_save=True)``: the time the call blocks the caller
+  (a later save: the staging buffers exist), then ``accel.wait_for_checkpoints()``; against a
+  plain in-memory copy of the same tensors (``dst.copy_(src)`` into preallocated tensors,
+  the floor of any snapshot; ``clone()``, which also allocates, is reported too).
+
+Medians over ``--repeat`` repetitions; ``ratios`` compares figures of the same run:
+``save_vs_dd`` (goal <= 1.15), ``save_vs_accelerate`` (<= 0.7), ``load_vs_accelerate``
+(<= 0.7), ``async_block_vs_copy`` (<= 1.5).
+
+Usage: python bench/checkpoint.py [--dir /tmp/accel-bench] [--layers 8] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -19,118 +28,168 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 from torch import nn
 
 import accel
 
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _timed(fn: Callable[[], Any]) -> tuple[float, int]:
-    """Seconds taken, and the peak RSS growth over the starting RSS while it ran."""
-    start_rss = _rss()
-    peak = [start_rss]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss())
-            time.sleep(0.005)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    start = time.perf_counter()
-    fn()
-    elapsed = time.perf_counter() - start
-    done.set()
-    sampler.join()
-    return elapsed, max(0, max(peak[0], _rss()) - start_rss)
-
-
-def _dd(path: Path, nbytes: int) -> tuple[float, float]:
-    blocks = max(1, nbytes // (64 << 20))
-    start = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={blocks}",
-                    "conv=fdatasync"], check=True, capture_output=True)
-    write = time.perf_counter() - start
-    start = time.perf_counter()
-    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=64M"], check=True,
-                   capture_output=True)
-    read = time.perf_counter() - start
-    path.unlink()
-    return write, read
+ACCELERATE_CHILD = r"""
+import json, os, sys, time, torch
+from torch import nn
+from accelerate import Accelerator
+root, layers = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(layers)])
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+model(torch.randn(2, 4096)).sum().backward()
+opt.step()
+opt.zero_grad(set_to_none=True)
+acc = Accelerator(cpu=True)
+model, opt = acc.prepare(model, opt)
+os.sync()
+start = time.perf_counter()
+acc.save_state(root)
+os.sync()
+save = time.perf_counter() - start
+start = time.perf_counter()
+acc.load_state(root)
+load = time.perf_counter() - start
+import accelerate
+print(json.dumps({"save_s": save, "load_s": load, "version": accelerate.__version__}))
+"""
 
 
-def _flat_optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    return {f"{i}.{k}": v for i, s in opt.state_dict()["state"].items() for k, v in s.items()
-            if isinstance(v, torch.Tensor)}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dir", default="/tmp/accel-bench")
-    parser.add_argument("--layers", type=int, default=8)
-    args = parser.parse_args()
-    root = Path(args.dir)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
+def _model(layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(args.layers)])
+    model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(torch.randn(2, 4096)).sum().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()},
-               **{f"opt.{k}": v for k, v in _flat_optimizer_tensors(opt).items()}}
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    report: dict[str, Any] = {"bytes": nbytes, "gb": round(nbytes / 1e9, 3),
-                              "torch": torch.__version__, "python": sys.version.split()[0]}
+    return model, opt
 
-    dd_write, dd_read = _dd(root / "dd.bin", nbytes)
-    report["dd"] = {"write_s": round(dd_write, 3), "read_s": round(dd_read, 3),
-                    "write_gb_s": round(nbytes / 1e9 / dd_write, 3)}
 
-    raw_path = root / "raw.safetensors"
+def _tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    found = list(model.state_dict().values())
+    for per_param in opt.state_dict()["state"].values():
+        found += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+    return found
 
-    def raw_save() -> None:
-        safetensors.torch.save_file(tensors, str(raw_path))
-        with open(raw_path, "rb+") as f:
-            os.fsync(f.fileno())
 
-    raw_save_s, raw_peak = _timed(raw_save)
-    raw_load_s, _ = _timed(lambda: safetensors.torch.load_file(str(raw_path)))
-    raw_path.unlink()
-    report["safetensors"] = {"save_s": round(raw_save_s, 3), "load_s": round(raw_load_s, 3),
-                             "save_gb_s": round(nbytes / 1e9 / raw_save_s, 3),
-                             "save_peak_rss_growth_mb": round(raw_peak / 1e6, 1)}
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
-    tensors = {}  # drop the references: only the model and optimizer hold memory now
-    largest = max(p.numel() * p.element_size() for p in model.parameters())
-    with accel.distributed():
-        save_s, save_peak = _timed(lambda: accel.save_state(root / "ckpt", step=1, model=model,
-                                                            optimizer=opt))
-        load_s, _ = _timed(lambda: accel.load_state(root / "ckpt", model=model, optimizer=opt))
-    report["accel"] = {
-        "save_state_s": round(save_s, 3),
-        "load_state_s": round(load_s, 3),
-        "save_gb_s": round(nbytes / 1e9 / save_s, 3),
-        "save_peak_rss_growth_mb": round(save_peak / 1e6, 1),
-        "largest_tensor_mb": round(largest / 1e6, 1),
-    }
+
+def _dd(path: Path, nbytes: int) -> float:
+    os.sync()
+    seconds = _timed(lambda: subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=64M", "iflag=count_bytes", f"count={nbytes}",
+         "conv=fdatasync"], check=True, capture_output=True))
+    path.unlink()
+    return seconds
+
+
+def _accelerate(python: str, root: Path, layers: int) -> dict[str, Any] | None:
+    if not Path(python).exists():
+        return None
+    done = subprocess.run([python, "-c", ACCELERATE_CHILD, str(root), str(layers)],
+                          capture_output=True, text=True, check=False)
     shutil.rmtree(root, ignore_errors=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"error": f"exit {done.returncode}: {tail}"}
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default="/tmp/accel-bench")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--accelerate-python", default="/work/benchvenv/bin/python")
+    args = parser.parse_args()
+    root = Path(args.dir)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    model, opt = _model(args.layers)
+    tensors = _tensors(model, opt)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    times: dict[str, list[float]] = {k: [] for k in (
+        "dd_write_s", "save_state_s", "load_state_s", "accelerate_save_sync_s",
+        "accelerate_load_s", "copy_s", "clone_s", "async_blocked_s", "async_wait_s")}
+    accelerate_version = None
+    with accel.distributed():
+        for rep in range(args.repeat):
+            times["dd_write_s"].append(_dd(root / "dd.bin", nbytes))
+            where = root / f"accel_{rep}"
+            os.sync()
+            times["save_state_s"].append(
+                _timed(partial(accel.save_state, where, model=model, optimizer=opt)))
+            times["load_state_s"].append(
+                _timed(partial(accel.load_state, where, model=model, optimizer=opt)))
+            shutil.rmtree(where)
+            other = _accelerate(args.accelerate_python, root / f"accelerate_{rep}", args.layers)
+            if other is not None and "error" not in other:
+                times["accelerate_save_sync_s"].append(other["save_s"])
+                times["accelerate_load_s"].append(other["load_s"])
+                accelerate_version = other["version"]
+            elif other is not None:
+                accelerate_version = other["error"]
+        tensors = _tensors(model, opt)  # load_state gave the optimizer new (mapped) tensors
+        copies = [torch.empty_like(t) for t in tensors]
+        for dst, src in zip(copies, tensors, strict=True):
+            dst.copy_(src)  # pages touched once: the timed copies below are steady state
+        saves = root / "async"
+        accel.save_state(saves, step=0, total_limit=1, async_save=True, model=model,
+                         optimizer=opt)  # allocates the staging buffers
+        accel.wait_for_checkpoints()
+        for rep in range(args.repeat):  # interleaved: both see the same machine load
+            os.sync()
+            times["copy_s"].append(_timed(
+                lambda: [d.copy_(s) for d, s in zip(copies, tensors, strict=True)]))
+            times["async_blocked_s"].append(_timed(partial(
+                accel.save_state, saves, step=rep + 1, total_limit=1, async_save=True,
+                model=model, optimizer=opt)))
+            times["async_wait_s"].append(_timed(accel.wait_for_checkpoints))
+            times["clone_s"].append(_timed(lambda: [t.clone() for t in tensors]))
+    shutil.rmtree(root, ignore_errors=True)
+    med = {k: _median(v) for k, v in times.items() if v}
+    report: dict[str, Any] = {
+        "bytes": nbytes, "gb": round(nbytes / 1e9, 3), "repeat": args.repeat,
+        "torch": torch.__version__, "python": sys.version.split()[0],
+        "accelerate": accelerate_version, "load_average": os.getloadavg()[0],
+        "median": med, "all": {k: [round(x, 4) for x in v] for k, v in times.items()},
+        "save_gb_s": round(nbytes / 1e9 / med["save_state_s"], 3),
+    }
+    ratios = {
+        "save_vs_dd": med["save_state_s"] / med["dd_write_s"],
+        "async_block_vs_copy": med["async_blocked_s"] / med["copy_s"],
+    }
+    if "accelerate_save_sync_s" in med:
+        ratios["save_vs_accelerate"] = med["save_state_s"] / med["accelerate_save_sync_s"]
+        ratios["load_vs_accelerate"] = med["load_state_s"] / med["accelerate_load_s"]
+    goals = {"save_vs_dd": 1.15, "save_vs_accelerate": 0.7, "load_vs_accelerate": 0.7,
+             "async_block_vs_copy": 1.5}
+    report["ratios"] = {k: round(v, 3) for k, v in ratios.items()}
+    report["goals_met"] = {k: ratios[k] <= goals[k] for k in ratios}
     print(json.dumps(report, indent=2))
 
 

@@ -25,20 +25,23 @@ from __future__ import annotations
 
 import contextvars
 import threading
-import weakref
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
-from accel._state import Scope, scope
+from accel._state import scope
 from accel.checkpoint._atomic import remove_dir
 from accel.checkpoint._format import FileRecord
-from accel.checkpoint._saving import SaveJob, describe, finish
 from accel.checkpoint._writer import PlannedFile, write_files
 from accel.collectives import begin, gather_object
 
-__all__ = ["finish_pending", "launch", "wait_for_checkpoints"]
+if TYPE_CHECKING:  # _saving (and the model code it needs) loads with the first save
+    from accel.checkpoint._saving import SaveJob
+
+__all__ = ["finish_pending", "launch", "pending_saves", "wait_for_checkpoints"]
 
 _PENDING = "accel.checkpoint.pending"
 _STAGING = "accel.checkpoint.staging"
@@ -53,7 +56,6 @@ class _Pending:
     thread: threading.Thread | None = None
     records: list[FileRecord] = attrs.field(factory=list)
     error: str | None = None
-    finalizer: Any = None
 
 
 @attrs.define(eq=False)
@@ -113,6 +115,8 @@ def _snapshot(files: list[PlannedFile], staging: _Staging) -> Any:
 
 
 def _write(pending: _Pending, files: list[PlannedFile], event: Any) -> None:
+    from accel.checkpoint._saving import describe
+
     try:
         if event is not None:
             event.synchronize()
@@ -122,7 +126,7 @@ def _write(pending: _Pending, files: list[PlannedFile], event: Any) -> None:
 
 
 def _abandon(pending: _Pending) -> None:
-    """The block ended by an exception (or the process exits): stop, release, tidy up."""
+    """The block ends by an exception: stop the write, remove its files, release the lock."""
     pending.cancelled.set()
     if pending.thread is not None:
         pending.thread.join()
@@ -142,6 +146,8 @@ def launch(job: SaveJob, plan: Any) -> None:
     Every rank must call it after :func:`~accel.checkpoint._saving.start`. A snapshot that
     fails on any rank ends the save at once on every rank (:func:`finish` raises).
     """
+    from accel.checkpoint._saving import describe, finish
+
     here = scope()
     staging = here.extras.setdefault(_STAGING, _Staging())
     error: str | None = None
@@ -159,24 +165,43 @@ def launch(job: SaveJob, plan: Any) -> None:
         target=contextvars.copy_context().run, args=(_write, pending, files, event),
         name="accel-checkpoint-writer", daemon=False,
     )
-    pending.finalizer = weakref.finalize(here, _abandon, pending)
     here.extras[_PENDING] = pending
     pending.thread.start()
 
 
-def finish_pending(where: Scope | None = None) -> None:
+def finish_pending() -> None:
     """Wait for this scope's asynchronous save, if any, and finish it (every rank).
 
     Raises:
         CheckpointError: on every rank, when any rank's background write failed.
     """
-    pending = (where or scope()).extras.pop(_PENDING, None)
+    pending = scope().extras.pop(_PENDING, None)
     if pending is None:
         return
-    pending.finalizer.detach()
+    from accel.checkpoint._saving import finish
+
     if pending.thread is not None:
         pending.thread.join()
     finish(pending.job, pending.records, pending.error)
+
+
+@contextmanager
+def pending_saves() -> Iterator[None]:
+    """The ``distributed()`` block's hook: finish its asynchronous save at the end.
+
+    On a normal exit the pending save is finished (every rank; its failure is raised). When an
+    exception leaves the block there is no collective (the other ranks may be gone): the
+    background write is stopped, its temporary directory removed and the lock released; the
+    save never becomes visible.
+    """
+    try:
+        yield
+    except BaseException:
+        pending = scope().extras.pop(_PENDING, None)
+        if pending is not None:
+            _abandon(pending)
+        raise
+    finish_pending()
 
 
 def wait_for_checkpoints() -> None:
