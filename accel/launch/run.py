@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -42,6 +43,7 @@ __all__ = [
 WORKER_MODULE = "accel.launch.worker"
 DEFAULT_MULTI_NODE_PORT = 29500
 CPU_DEFAULT_PROCESSES = 2
+DEFAULT_STOP_GRACE_S = 60.0
 
 # settings that reach accel.distributed() in the workers, and their variables
 _EXPORTED = ("mixed_precision", "gradient_accumulation_steps", "strategy", "backend", "cpu",
@@ -85,6 +87,10 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
                        help="restart the whole job up to K times when a process fails")
     where.add_argument("--monitor-interval", "--monitor_interval", type=float, metavar="S",
                        help="seconds between checks of the workers (torchrun's default)")
+    where.add_argument("--stop-grace-period", "--stop_grace_period", type=float, metavar="S",
+                       help="on SIGTERM/SIGINT/SIGUSR1, the seconds the workers get to stop "
+                            "(the signal is passed on to them) before they are killed "
+                            f"(default {DEFAULT_STOP_GRACE_S:g})")
     where.add_argument("--log-dir", "--log_dir", metavar="DIR", help="torchrun log directory")
     where.add_argument("-r", "--redirects", metavar="SPEC", help="torchrun --redirects")
     where.add_argument("-t", "--tee", metavar="SPEC", help="torchrun --tee")
@@ -224,6 +230,7 @@ def plan_launch(
                        "--max-restarts", str(value["max_restarts"])]
     if ns.monitor_interval is not None:
         args += ["--monitor-interval", str(ns.monitor_interval)]
+    args += _stop_args(getattr(ns, "stop_grace_period", None))
     port = value["main_process_port"]
     dynamic = True  # c10d rendezvous (its store is shared with the workers by default)
     if ns.rdzv_endpoint:
@@ -283,6 +290,20 @@ def plan_launch(
         worker_env["OMP_NUM_THREADS"] = str(max(1, cpu_count // nproc))
     return LaunchPlan(torchrun_args=tuple(args), worker_env=worker_env, settings=settings,
                       nproc_per_node=nproc, nnodes=nnodes)
+
+
+def _stop_args(grace: float | None) -> list[str]:
+    """torch's agent passes these signals on to the workers and kills them ``grace`` s later."""
+    from accel.launch.graceful import FORWARDED_SIGNALS
+
+    grace = DEFAULT_STOP_GRACE_S if grace is None else grace
+    if not grace >= 0 or grace == float("inf"):
+        raise ConfigError(
+            f"--stop-grace-period={grace!r} must be a number of seconds >= 0, e.g. "
+            "`--stop-grace-period 120`."
+        )
+    return ["--signals-to-handle", ",".join(FORWARDED_SIGNALS),
+            "--shutdown-timeout", str(math.ceil(grace))]
 
 
 def _cpu_count() -> int:
@@ -436,18 +457,27 @@ def run_plan(plan: LaunchPlan, what: str) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from accel.launch.graceful import recording_worker_exits, stop_outcome
+
+    exits: dict[int, int | None] = {}
     try:
         parsed = torchrun.parse_args(list(plan.torchrun_args))  # type: ignore[no-untyped-call]
-        torchrun.run(parsed)  # type: ignore[no-untyped-call]
+        with recording_worker_exits() as exits:
+            torchrun.run(parsed)  # type: ignore[no-untyped-call]
     except ChildFailedError as error:
         text, code = describe_failure(error, what)
         sys.stdout.flush()
         sys.stderr.write(text)
         sys.stderr.flush()
         return code
-    except SignalException as error:
-        sys.stderr.write(f"accel launch: stopped by {error.sigval.name}; workers terminated.\n")
-        return 128 + int(error.sigval)
+    except SignalException as error:  # the workers got the signal too, and a grace period
+        args = list(plan.torchrun_args)
+        grace = float(args[args.index("--shutdown-timeout") + 1])
+        text, code = stop_outcome(error.sigval, exits, grace)
+        sys.stdout.flush()
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        return code
     return 0
 
 

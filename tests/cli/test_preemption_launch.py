@@ -1,0 +1,254 @@
+"""`accel launch` and a requested stop: the signal reaches every worker, workers that stop and
+exit 0 make the launcher exit 0, the others are killed after `--stop-grace-period`; the
+preemptible example resumes to the exact weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from accel._env import LaunchEnv
+from accel.errors import ConfigError
+from accel.launch.cli import build_parser
+from accel.launch.graceful import stop_outcome
+from accel.launch.run import plan_launch
+from tests.cli._helpers import _descendants, accel_command, clean_env, results, write_script
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "preemptible.py"
+
+
+class Launched:
+    """`accel launch ...` running in the background, its output collected line by line."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        self.proc = subprocess.Popen(
+            accel_command("launch", *args), cwd=cwd, env=clean_env(cwd), text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while self.output.count(text) < count:  # ranks share the pipe: lines can merge
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"never saw {text!r} x{count}; output:\n{self.output[-4000:]}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = 180) -> int:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"accel launch did not end in {timeout} s:\n{self.output[-4000:]}")
+        self._reader.join(10)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+
+
+def _final_weights(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(directory / "final" / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_then_relaunch_gives_the_uninterrupted_weights(
+    tmp_path: Path,
+) -> None:
+    common = ["--nproc-per-node", "2", "--cpu", str(EXAMPLE), "--total-steps", "40"]
+    straight = Launched([*common, "--output-dir", str(tmp_path / "straight")], tmp_path)
+    assert straight.finish() == 0, straight.output[-3000:]
+    assert "finished at step 40" in straight.output
+
+    run = [*common, "--output-dir", str(tmp_path / "stopped"), "--step-delay", "0.05"]
+    first = Launched(run, tmp_path)
+    first.wait_for("step 5\n")  # only rank 0 prints
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.finish() == 0, first.output[-3000:]
+    assert "all 2 workers exited 0" in first.output
+    saved = [line for line in first.lines if line.startswith("stop requested: saved step")]
+    assert len(saved) == 1, first.output[-3000:]
+    stopped_at = int(saved[0].split()[4].rstrip(","))
+    assert 5 <= stopped_at < 40
+    assert "finished at step" not in first.output
+
+    second = Launched(run, tmp_path)
+    assert second.finish() == 0, second.output[-3000:]
+    assert f"starting at step {stopped_at}\n" in second.output
+    assert "finished at step 40" in second.output
+
+    expected, got = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "stopped")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+STOPPING_SCRIPT = '''
+import json, os, time
+import torch
+import accel
+
+with accel.distributed() as st:
+    model = accel.prepare_model(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    stopped_at = -1
+    for step in range(3000):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        time.sleep(0.01)
+        if step == 3:
+            print("READY", flush=True)
+        if accel.stop_requested():
+            stopped_at = step
+            break
+    print("RESULT " + json.dumps({"rank": st.rank, "stopped_at": stopped_at}), flush=True)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("nproc", "sig"), [(2, signal.SIGINT), (3, signal.SIGUSR1)])
+def test_a_signal_to_the_launcher_stops_every_rank_at_the_same_step(
+    tmp_path: Path, nproc: int, sig: signal.Signals
+) -> None:
+    script = write_script(tmp_path, STOPPING_SCRIPT)
+    launched = Launched(["--nproc-per-node", str(nproc), "--cpu", str(script)], tmp_path)
+    launched.wait_for("READY", count=nproc)
+    launched.proc.send_signal(sig)
+    assert launched.finish() == 0, launched.output[-3000:]
+    found = results(launched.output)
+    assert [r["rank"] for r in found] == list(range(nproc))
+    steps = {r["stopped_at"] for r in found}
+    assert len(steps) == 1 and steps.pop() >= 3, found
+    assert f"stopped by {sig.name}: all {nproc} workers exited 0" in launched.output
+
+
+IGNORING_SCRIPT = '''
+import os, signal, sys, time
+import accel
+
+with accel.distributed() as st:
+    if st.rank == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # never stops: killed after the grace
+    print("READY", flush=True)
+    time.sleep(300)
+'''
+
+
+@pytest.mark.slow
+def test_workers_that_do_not_stop_are_killed_after_the_grace_period(tmp_path: Path) -> None:
+    script = write_script(tmp_path, IGNORING_SCRIPT)
+    launched = Launched(["--nproc-per-node", "2", "--cpu", "--stop-grace-period", "1",
+                         str(script)], tmp_path)
+    launched.wait_for("READY", count=2)
+    launched.proc.send_signal(signal.SIGTERM)
+    assert launched.finish(timeout=120) == 128 + signal.SIGTERM, launched.output[-3000:]
+    out = launched.output
+    assert "stopped by SIGTERM; workers terminated." in out
+    assert "local rank 0: killed by signal SIGKILL (still running after the 1 s grace" in out
+    assert "local rank 1: killed by signal SIGTERM" in out  # no handler: the default action
+
+
+NOTING_SCRIPT = '''
+import signal, time
+import accel
+
+with accel.distributed():
+    signal.signal(signal.SIGTERM, lambda *_: print("GOT TERM", flush=True))
+    print("READY", flush=True)
+    time.sleep(300)
+'''
+
+
+@pytest.mark.slow
+def test_a_second_signal_to_the_launcher_kills_the_workers_at_once(tmp_path: Path) -> None:
+    script = write_script(tmp_path, NOTING_SCRIPT)
+    launched = Launched(["--nproc-per-node", "2", "--cpu", "--stop-grace-period", "600",
+                         str(script)], tmp_path)
+    launched.wait_for("READY", count=2)
+    launched.proc.send_signal(signal.SIGTERM)
+    launched.wait_for("GOT TERM", count=2)  # forwarded; the workers keep running
+    launched.proc.send_signal(signal.SIGTERM)
+    # well before the 600 s grace period would end
+    assert launched.finish(timeout=120) == 128 + signal.SIGTERM, launched.output[-3000:]
+    assert launched.output.count("killed by signal SIGKILL") == 2, launched.output[-3000:]
+
+
+# --- planning and reporting (no workers) ------------------------------------------------------
+
+
+def _plan_args(*argv: str) -> list[str]:
+    ns = build_parser().parse_args(["launch", *argv, "train.py"])
+    plan = plan_launch(ns, env=LaunchEnv(), file_settings={}, config_file=None,
+                       gpu_count=lambda: 0, cpu_count=4, omp_num_threads_set=False)
+    return list(plan.torchrun_args)
+
+
+def _value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_plan_forwards_the_stop_signals_with_the_grace_period() -> None:
+    args = _plan_args()
+    assert _value(args, "--signals-to-handle").split(",")[:3] == ["SIGTERM", "SIGINT", "SIGUSR1"]
+    assert _value(args, "--shutdown-timeout") == "60"
+    assert _value(_plan_args("--stop-grace-period", "2.5"), "--shutdown-timeout") == "3"
+    assert _value(_plan_args("--stop_grace_period", "0"), "--shutdown-timeout") == "0"
+    assert args[-3:] == ["--module", "accel.launch.worker", "train.py"]
+
+
+@pytest.mark.parametrize("bad", ["-1", "nan", "inf"])
+def test_plan_refuses_a_bad_grace_period(bad: str) -> None:
+    with pytest.raises(ConfigError, match=rf"--stop-grace-period={float(bad)!r} must be"):
+        _plan_args("--stop-grace-period", bad)
+
+
+def test_a_bad_grace_period_is_reported_by_the_command(tmp_path: Path) -> None:
+    done = subprocess.run(
+        accel_command("launch", "--stop-grace-period", "-5", "train.py"), cwd=tmp_path,
+        env=clean_env(tmp_path), text=True, capture_output=True, timeout=120, check=False,
+    )
+    assert done.returncode == 2
+    assert "accel launch: error: --stop-grace-period=-5.0 must be" in done.stderr
+
+
+def test_stop_outcome() -> None:
+    text, code = stop_outcome(signal.SIGTERM, {0: 0, 1: 0}, 60.0)
+    assert code == 0 and text == "accel launch: stopped by SIGTERM: all 2 workers exited 0.\n"
+    text, code = stop_outcome(signal.SIGUSR1, {0: 0, 1: 3, 2: -9, 3: None}, 2.5)
+    assert code == 128 + signal.SIGUSR1
+    assert text.splitlines() == [
+        "accel launch: stopped by SIGUSR1; workers terminated.",
+        "accel launch: local rank 0: exit code 0",
+        "accel launch: local rank 1: exit code 3",
+        "accel launch: local rank 2: killed by signal SIGKILL (still running after the 2.5 s "
+        "grace period, or a second signal: give more time with `--stop-grace-period SECONDS`)",
+        "accel launch: local rank 3: still running",
+    ]
+    # stopped before any worker ran (e.g. during the rendezvous): the signal's exit code
+    assert stop_outcome(signal.SIGINT, {}, 60.0)[1] == 128 + signal.SIGINT
