@@ -125,8 +125,9 @@ def test_strategy_errors() -> None:
         assert isinstance(info.value, AccelError)
         with pytest.raises(ConfigError, match="'zero3'"):
             accel.prepare_model(Net(), strategy="zero3")  # type: ignore[arg-type]
-        with pytest.raises(ConfigError, match="find_unused_parameters"):
-            accel.prepare_model(Net(), find_unused_parameters=True)
+        with pytest.raises(ConfigError, match="find_unused_parameter"):
+            accel.prepare_model(Net(), find_unused_parameter=True)  # misspelt: unknown key
+        accel.prepare_model(Net(), find_unused_parameters=True)  # DDP option: ignored on 1
         with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
             accel.prepare_model("not a model")  # type: ignore[arg-type]
     with fake(strategy="fsdp"), pytest.raises(StrategyNotImplementedError):
