@@ -81,7 +81,8 @@ def main() -> None:
                     correct += int((predictions == labels).sum())
                     total += labels.numel()
             accel.print(
-                f"epoch {epoch}: {local_sgd.num_steps} steps, {len(agree_after_sync)} "
+                f"epoch {epoch}: LocalSGD active: {local_sgd.enabled} (off on one process), "
+                f"{local_sgd.num_steps} steps, {len(agree_after_sync)} "
                 f"averagings, ranks agree after each: {all(agree_after_sync)}, ranks differed "
                 f"at {differ_between} of the other steps, agree at the end: {at_exit}, "
                 f"accuracy {correct / total:.3f}"

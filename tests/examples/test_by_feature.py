@@ -175,7 +175,8 @@ def test_schedule_free_train_and_eval_reach_the_optimizer(tmp_path: pathlib.Path
 
 def test_local_sgd_ranks_agree_after_each_averaging(tmp_path: pathlib.Path) -> None:
     out = _launch(tmp_path, "local_sgd.py", "--local-sgd-steps", "8", "--epochs", "1")
-    match = re.search(r"epoch 0: 20 steps, (\d+) averagings, ranks agree after each: (\w+), "
+    match = re.search(r"epoch 0: LocalSGD active: True \(off on one process\), 20 steps, "
+                      r"(\d+) averagings, ranks agree after each: (\w+), "
                       r"ranks differed at (\d+) of the other steps, agree at the end: (\w+)", out)
     assert match is not None, out
     assert match.groups() == ("2", "True", "18", "True")  # steps 8 and 16, then the exit
