@@ -54,8 +54,10 @@ def main() -> None:
                                  "custom"])
     parser.add_argument("--ddp-comm-wrapper", default="no", choices=["no", "fp16", "bf16"])
     parser.add_argument("--matrix-approximation-rank", type=int, default=2)
-    parser.add_argument("--start-powersgd-iter", type=int, default=2,
-                        help="PowerSGD all-reduces plainly for the first iterations")
+    parser.add_argument("--start-powersgd-iter", type=int, default=None,
+                        help="PowerSGD all-reduces plainly for the first iterations (default: "
+                        "2 for power_sgd; 1000, torch's default, for batched_power_sgd, whose "
+                        "compression fails in torch 2.13: see docs/training.md)")
     parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args()
 
@@ -65,7 +67,9 @@ def main() -> None:
     if args.ddp_comm_hook in ("power_sgd", "batched_power_sgd"):
         hook_options["comm_state_option"] = {
             "matrix_approximation_rank": args.matrix_approximation_rank,
-            "start_powerSGD_iter": args.start_powersgd_iter,
+            "start_powerSGD_iter": args.start_powersgd_iter
+            if args.start_powersgd_iter is not None
+            else (2 if args.ddp_comm_hook == "power_sgd" else 1000),
         }
     with accel.distributed(seed=0, **hook_options):
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
