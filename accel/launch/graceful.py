@@ -14,15 +14,61 @@ signal during the grace period stops the wait: the workers still running are kil
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["FORWARDED_SIGNALS", "recording_worker_exits", "stop_outcome"]
+__all__ = ["FORWARDED_SIGNALS", "recording_worker_exits", "stop_outcome", "supported_stop_args"]
 
 # the signals torch's agent handles by stopping the workers with the same signal
 FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP", "SIGQUIT")
-_KILL_WAIT_S = 30  # after SIGKILL, how long to wait for a worker to be reaped
+TORCH_FIXED_GRACE_S = 30.0  # torch versions without --shutdown-timeout wait this long
+_STOP_FLAGS = ("--signals-to-handle", "--shutdown-timeout")
+
+
+def _torchrun_options() -> set[str]:
+    import torch.distributed.run as torchrun
+
+    parser = torchrun.get_args_parser()
+    return {option for action in parser._actions for option in action.option_strings}
+
+
+def supported_stop_args(args: Sequence[str], known: Collection[str] | None = None
+                        ) -> tuple[list[str], float, str]:
+    """Drop the stop options this torch's launcher does not have (older torch versions).
+
+    Returns the arguments to run, the grace period the workers will get and a note for the
+    user ("" when nothing was dropped). ``known``: torchrun's options (default: read them).
+
+    Example:
+        >>> supported_stop_args(["--shutdown-timeout", "60", "x.py"])[:2]
+        (['--shutdown-timeout', '60', 'x.py'], 60.0)
+    """
+    known = _torchrun_options() if known is None else known
+    out, dropped = list(args), []
+
+    def launcher_part() -> list[str]:  # the script's own arguments come after these
+        ends = [out.index(flag) for flag in ("--module", "--no-python") if flag in out]
+        return out[:min(ends)] if ends else out
+
+    for flag in _STOP_FLAGS:
+        if flag in launcher_part() and flag not in known:
+            at = out.index(flag)
+            del out[at:at + 2]
+            dropped.append(flag)
+    ours = launcher_part()
+    grace = (float(ours[ours.index("--shutdown-timeout") + 1]) if "--shutdown-timeout" in ours
+             else TORCH_FIXED_GRACE_S)
+    note = ""
+    if dropped:
+        import torch
+
+        note = (f"accel launch: torch {torch.__version__} has no {' or '.join(dropped)}: "
+                "on SIGTERM/SIGINT the workers get its own fixed "
+                f"{TORCH_FIXED_GRACE_S:g} s grace period"
+                + (" and SIGUSR1 is not passed on" if "--signals-to-handle" in dropped else "")
+                + "; a newer torch honours --stop-grace-period.\n")
+    return out, grace, note
 
 
 def _exit_codes(agent: Any) -> dict[int, int | None]:
@@ -49,12 +95,11 @@ def recording_worker_exits() -> Iterator[dict[int, int | None]]:
     exits: dict[int, int | None] = {}
 
     class RecordingAgent(base):  # type: ignore[misc, valid-type]
-        def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM,
-                      timeout: int = 30) -> None:
+        def _shutdown(self, *args: Any, **kwargs: Any) -> None:  # signature varies by torch
             try:
-                super()._shutdown(death_sig, timeout)
+                super()._shutdown(*args, **kwargs)
             except SignalException:  # a second signal during the grace period: kill now
-                super()._shutdown(signal.SIGKILL, _KILL_WAIT_S)
+                super()._shutdown(signal.SIGKILL)
                 raise
             finally:
                 exits.clear()

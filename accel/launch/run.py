@@ -457,11 +457,13 @@ def run_plan(plan: LaunchPlan, what: str) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from accel.launch.graceful import recording_worker_exits, stop_outcome
+    from accel.launch.graceful import recording_worker_exits, stop_outcome, supported_stop_args
 
+    args, grace, note = supported_stop_args(plan.torchrun_args)
+    sys.stderr.write(note)
     exits: dict[int, int | None] = {}
     try:
-        parsed = torchrun.parse_args(list(plan.torchrun_args))  # type: ignore[no-untyped-call]
+        parsed = torchrun.parse_args(args)  # type: ignore[no-untyped-call]
         with recording_worker_exits() as exits:
             torchrun.run(parsed)  # type: ignore[no-untyped-call]
     except ChildFailedError as error:
@@ -471,8 +473,6 @@ def run_plan(plan: LaunchPlan, what: str) -> int:
         sys.stderr.flush()
         return code
     except SignalException as error:  # the workers got the signal too, and a grace period
-        args = list(plan.torchrun_args)
-        grace = float(args[args.index("--shutdown-timeout") + 1])
         text, code = stop_outcome(error.sigval, exits, grace)
         sys.stdout.flush()
         sys.stderr.write(text)

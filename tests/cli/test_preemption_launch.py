@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from accel._env import LaunchEnv
 from accel.errors import ConfigError
 from accel.launch.cli import build_parser
-from accel.launch.graceful import stop_outcome
+from accel.launch.graceful import stop_outcome, supported_stop_args
 from accel.launch.run import plan_launch
 from tests.cli._helpers import _descendants, accel_command, clean_env, results, write_script
 
@@ -252,3 +252,20 @@ def test_stop_outcome() -> None:
     ]
     # stopped before any worker ran (e.g. during the rendezvous): the signal's exit code
     assert stop_outcome(signal.SIGINT, {}, 60.0)[1] == 128 + signal.SIGINT
+
+
+def test_stop_options_this_torch_lacks_are_dropped_with_a_note() -> None:
+    args = ["--nnodes", "1", "--signals-to-handle", "SIGTERM,SIGUSR1", "--shutdown-timeout",
+            "60", "--module", "accel.launch.worker", "x.py", "--shutdown-timeout", "7"]
+    assert supported_stop_args(args) == (args, 60.0, "")  # this torch has both
+    kept, grace, note = supported_stop_args(args, known={"--nnodes", "--signals-to-handle"})
+    assert kept == ["--nnodes", "1", "--signals-to-handle", "SIGTERM,SIGUSR1", "--module",
+                    "accel.launch.worker", "x.py", "--shutdown-timeout", "7"]  # script's kept
+    assert grace == 30.0
+    assert "has no --shutdown-timeout: on SIGTERM/SIGINT the workers get its own fixed 30 s" in note
+    assert "SIGUSR1" not in note
+    kept, grace, note = supported_stop_args(args, known={"--nnodes"})
+    assert kept == ["--nnodes", "1", "--module", "accel.launch.worker", "x.py",
+                    "--shutdown-timeout", "7"]
+    assert "--signals-to-handle or --shutdown-timeout" in note
+    assert "SIGUSR1 is not passed on" in note
