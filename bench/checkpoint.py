@@ -6,7 +6,7 @@ all). Each repetition measures, for the same byte count and in this order:
 - ``dd``: ``dd if=/dev/zero bs=64M iflag=count_bytes count=BYTES conv=fdatasync``;
 - ``accel``: ``accel.save_state`` (temporary directory, CRC32 of every byte, fsync of every
   file and directory, manifest, atomic rename), then ``accel.load_state`` hot (files in the
-  page cache; sizes and CRC32s verified before anything changes);
+  page cache; sizes and CRC32s verified before anything changes) into the same objects;
 - ``accelerate`` (when ``--accelerate-python`` has Accelerate, default /work/benchvenv):
   ``Accelerator.save_state`` + ``os.sync()``, then ``Accelerator.load_state`` hot, in a child
   process running that interpreter on the same model;
@@ -145,7 +145,8 @@ def main() -> None:
                 _timed(partial(accel.save_state, where, model=model, optimizer=opt)))
             times["load_state_s"].append(
                 _timed(partial(accel.load_state, where, model=model, optimizer=opt)))
-            shutil.rmtree(where)
+            # kept until the end: the optimizer's state now maps these files, and deleting
+            # them would bill freeing their disk blocks to the next load (at the last unmap)
             other = _accelerate(args.accelerate_python, root / f"accelerate_{rep}", args.layers)
             if other is not None and "error" not in other:
                 times["accelerate_save_sync_s"].append(other["save_s"])
