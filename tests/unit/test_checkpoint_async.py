@@ -14,7 +14,7 @@ from torch import nn
 
 import accel
 from accel.checkpoint import _async
-from accel.errors import CheckpointArgumentError, CheckpointError
+from accel.errors import CheckpointArgumentError, CheckpointError, GatedCollectiveError
 
 
 def _setup(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -243,3 +243,12 @@ def test_an_exception_leaving_the_block_abandons_the_save(
     with accel.distributed():  # the writer lock was released
         accel.save_state(tmp_path, step=2, model=model, optimizer=opt)
     assert accel.latest_checkpoint(tmp_path) == tmp_path / "checkpoint_2"
+
+
+def test_wait_for_checkpoints_inside_a_rank_gate_raises(tmp_path: Path) -> None:
+    @accel.on_main_process
+    def gated() -> None:
+        accel.wait_for_checkpoints()
+
+    with accel.distributed(), pytest.raises(GatedCollectiveError, match="wait_for_checkpoints"):
+        gated()
