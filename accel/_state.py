@@ -275,12 +275,19 @@ def resolve_policy(
     if strat is None:
         strat = "ddp" if world_size > 1 else "none"
     strat = _choice("strategy", strat.lower(), _STRATEGIES, "ddp")
-    dbg = debug if debug is not None else bool(env.debug)
-    to = timeout if timeout is not None else env.timeout
-    to = DEFAULT_TIMEOUT_S if to is None else float(to)
-    if to <= 0:
+    if debug is not None and not isinstance(debug, bool):
         raise ConfigError(
-            f"timeout={to!r} must be a positive number of seconds, "
+            f"debug={debug!r} must be True or False, e.g. `accel.distributed(debug=True)`."
+        )
+    dbg = debug if debug is not None else bool(env.debug)
+    raw = timeout if timeout is not None else env.timeout
+    try:
+        to = DEFAULT_TIMEOUT_S if raw is None else float(raw)
+    except (TypeError, ValueError, OverflowError):
+        to = -1.0
+    if isinstance(raw, bool) or not 0 < to < float("inf"):
+        raise ConfigError(
+            f"timeout={raw!r} must be a positive number of seconds, "
             "e.g. `accel.distributed(timeout=600)`."
         )
     return {

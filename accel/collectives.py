@@ -20,11 +20,12 @@ from accel._debug import check_signatures
 from accel._state import ProcessState, current_gate, scope, state
 from accel._tree import first_non_tensor, map_tensors, tensor_leaves
 from accel.errors import (
-    AccelError,
+    CollectiveArgumentError,
     CollectiveMismatchError,
     GatedCollectiveError,
     NotDistributedError,
 )
+from accel.errors import CollectiveTypeError as CollectiveTypeError
 
 __all__ = [
     "broadcast",
@@ -46,22 +47,14 @@ _REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class CollectiveTypeError(AccelError, TypeError):
-    """A collective received a value it cannot communicate."""
-
-
 def _spec(data: Any, *, shapes: bool = True) -> list[str]:
     if shapes:
         return [f"{tuple(t.shape)}:{t.dtype}" for t in tensor_leaves(data)]
     return [f"ndim={t.ndim}:{t.dtype}" for t in tensor_leaves(data)]
 
 
-def begin(op: str, data: Any = None, *, shapes: bool = True) -> ProcessState | None:
-    """Common entry of every collective.
-
-    Raises if called inside a gate or without a process group; runs the debug check. Returns
-    the state when communication is needed, ``None`` on a single process.
-    """
+def refuse_gated(op: str) -> None:
+    """Raise :class:`GatedCollectiveError` if called inside a rank gate (on any world size)."""
     gate = current_gate()
     if gate is not None:
         raise GatedCollectiveError(
@@ -70,6 +63,15 @@ def begin(op: str, data: Any = None, *, shapes: bool = True) -> ProcessState | N
             f"would hang. Call `accel.{op}()` outside the gated function or block, on every "
             "rank, and pass the result in."
         )
+
+
+def begin(op: str, data: Any = None, *, shapes: bool = True) -> ProcessState | None:
+    """Common entry of every collective.
+
+    Raises if called inside a gate or without a process group; runs the debug check. Returns
+    the state when communication is needed, ``None`` on a single process.
+    """
+    refuse_gated(op)
     st = state()
     if st.world_size == 1:
         return None
@@ -163,8 +165,8 @@ def reduce(data: T, reduction: Reduction = "sum", scale: float = 1.0) -> T:
         >>> accel.reduce(torch.tensor(float(accel.state().rank + 1)), "mean")
         tensor(1.5000)  # on 2 ranks, rank 0 and rank 1 alike
     """
-    if reduction not in _REDUCE_OPS:
-        raise CollectiveMismatchError(
+    if not isinstance(reduction, str) or reduction not in _REDUCE_OPS:
+        raise CollectiveArgumentError(
             f"reduction={reduction!r} is not supported; choose one of {list(_REDUCE_OPS)}, "
             "e.g. `accel.reduce(loss, 'mean')`."
         )
@@ -178,11 +180,17 @@ def reduce(data: T, reduction: Reduction = "sum", scale: float = 1.0) -> T:
     return map_tensors(fn, data)  # type: ignore[no-any-return]
 
 
-def _check_source(op: str, from_process: int, world_size: int) -> None:
-    if isinstance(from_process, bool) or not 0 <= from_process < world_size:
-        raise CollectiveMismatchError(
+def _check_source(op: str, from_process: object, world_size: int) -> None:
+    """Refuse a source rank that is not a rank of the job (on one process too)."""
+    if (
+        isinstance(from_process, bool)
+        or not isinstance(from_process, int)
+        or not 0 <= from_process < world_size
+    ):
+        raise CollectiveArgumentError(
             f"accel.{op}(from_process={from_process!r}) names no rank of this "
-            f"{world_size}-process job; use a rank in 0..{world_size - 1}."
+            f"{world_size}-process job; use an integer rank in 0..{world_size - 1}, "
+            f"e.g. `accel.{op}(data, from_process=0)`."
         )
 
 
@@ -205,10 +213,10 @@ def broadcast(data: T, from_process: int = 0) -> T:
         tensor([1])  # rank 0 and rank 1 alike
     """
     _require_tensors("broadcast", data, "Use `accel.broadcast_object()` for Python objects.")
+    _check_source("broadcast", from_process, state().world_size)
     st = begin("broadcast", data)
     if st is None:
         return data
-    _check_source("broadcast", from_process, st.world_size)
     return map_tensors(partial(_broadcast_one, from_process, st.rank), data)  # type: ignore[no-any-return]
 
 
@@ -221,10 +229,10 @@ def broadcast_object(obj: T, from_process: int = 0) -> T:
         >>> accel.broadcast_object({"seed": 1234} if accel.state().is_main_process else None)
         {'seed': 1234}  # rank 0 and rank 1 alike
     """
+    _check_source("broadcast_object", from_process, state().world_size)
     st = begin("broadcast_object")
     if st is None:
         return obj
-    _check_source("broadcast_object", from_process, st.world_size)
     box: list[Any] = [obj if st.rank == from_process else None]
     dist.broadcast_object_list(box, src=from_process)
     return box[0]  # type: ignore[no-any-return]
@@ -275,6 +283,11 @@ def pad_across_processes(
         tensor([1., 1.])  # rank 1
     """
     _require_tensors("pad_across_processes", data, "Pad tensors only.")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise CollectiveTypeError(
+            f"accel.pad_across_processes(dim={dim!r}) needs an integer dimension, "
+            "e.g. `accel.pad_across_processes(data, dim=1)`."
+        )
     st = begin("pad_across_processes", data, shapes=False)
     if st is None:
         return data
@@ -338,15 +351,28 @@ def _split_bounds(length: int, rank: int, world_size: int) -> tuple[int, int, in
     return start, end, base + (1 if extra else 0)
 
 
+def _check_splittable(value: Any) -> None:
+    """Refuse what cannot be split (on every world size, so one process fails like N)."""
+    if isinstance(value, Mapping):
+        for item in value.values():
+            _check_splittable(item)
+        return
+    if (
+        not isinstance(value, torch.Tensor | Sequence)
+        or isinstance(value, str | bytes)
+        or (isinstance(value, torch.Tensor) and value.ndim == 0)
+    ):
+        raise CollectiveTypeError(
+            f"accel.split_between_processes() splits lists, tuples, dicts of them and tensors "
+            f"with at least one dimension, got {type(value).__name__} {value!r:.80}. Pass e.g. "
+            "a list of prompts: `accel.split_between_processes(['a', 'b', 'c'])`."
+        )
+
+
 def _split_one(value: Any, rank: int, world_size: int, apply_padding: bool) -> Any:
     if isinstance(value, Mapping):
         return type(value)(  # type: ignore[call-arg]
             {k: _split_one(v, rank, world_size, apply_padding) for k, v in value.items()}
-        )
-    if not isinstance(value, torch.Tensor | Sequence) or isinstance(value, str | bytes):
-        raise CollectiveTypeError(
-            f"accel.split_between_processes() splits lists, tuples, dicts of them and tensors, "
-            f"got {type(value).__name__} {value!r:.80}. Pass e.g. a list of prompts."
         )
     start, end, longest = _split_bounds(len(value), rank, world_size)
     missing = longest - (end - start)
@@ -375,6 +401,7 @@ def split_between_processes(inputs: T, *, apply_padding: bool = False) -> Iterat
         ['a', 'b']  # rank 0
         ['c']       # rank 1
     """
+    _check_splittable(inputs)
     st = state()
     if st.world_size == 1:
         yield inputs

@@ -37,15 +37,12 @@ from accel._resume import loader_state, read_loader_state, shuffle_reseeder
 from accel._sharding import FinalRound, Reseeder, ShardedBatchSampler, ShardSpec, StreamShard
 from accel._state import scope, state
 from accel._tree import map_tensors
-from accel.errors import AccelError, ConfigError
+from accel.errors import ConfigError
+from accel.errors import DataLoaderTypeError as DataLoaderTypeError
 
 __all__ = ["PreparedDataLoader", "prepare_data_loader", "skip_first_batches"]
 
 Mode = Literal["shard", "stream", "dispatch"]
-
-
-class DataLoaderTypeError(AccelError, TypeError):
-    """``prepare_data_loader`` / ``skip_first_batches`` received something else than a loader."""
 
 
 # --------------------------------------------------------------------------- the loader

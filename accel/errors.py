@@ -10,17 +10,33 @@ from __future__ import annotations
 from attrs.exceptions import FrozenInstanceError
 
 __all__ = [
+    "AbortedError",
     "AccelError",
-    "CheckpointError",
+    "ArgumentTypeError",
     "CheckpointArgumentError",
+    "CheckpointError",
+    "CollectiveArgumentError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "CollectiveTypeError",
     "ConfigError",
+    "ConfigTypeError",
+    "DataLoaderTypeError",
+    "DeviceMapError",
     "GatedCollectiveError",
+    "LaunchError",
+    "LogValueError",
     "MainProcessFirstError",
+    "NoExecutableBatchSizeError",
     "NotDistributedError",
+    "NotPicklableError",
+    "OtherRankFailedError",
     "RemoteError",
+    "SelfTestError",
+    "StaleParametersError",
     "StateFrozenError",
+    "TrackerUnavailableError",
+    "TrackingNotActiveError",
 ]
 
 
@@ -30,6 +46,26 @@ class AccelError(Exception):
 
 class ConfigError(AccelError, ValueError):
     """An option, environment variable or config value is invalid."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A setting has a type the config file cannot hold (e.g. a list where a number goes)."""
+
+
+class AbortedError(ConfigError):
+    """The ``accel config`` questionnaire's input ended before all questions were answered."""
+
+
+class ArgumentTypeError(AccelError, TypeError):
+    """An accel function or object received an argument of the wrong kind.
+
+    For example ``accel.prepare_model("model")``, ``@accel.on_process(-1)`` or
+    ``accel.progress(42)``.
+    """
+
+
+class NotPicklableError(AccelError, TypeError):
+    """An accel object that must not be pickled was pickled (e.g. a prepared optimizer)."""
 
 
 class NotDistributedError(AccelError, RuntimeError):
@@ -42,6 +78,15 @@ class GatedCollectiveError(AccelError, RuntimeError):
 
 class CollectiveMismatchError(AccelError, ValueError):
     """Ranks called a collective with different operations, shapes or dtypes (debug mode)."""
+
+
+class CollectiveArgumentError(AccelError, ValueError):
+    """A collective got an invalid argument value (e.g. ``reduction="avg"``,
+    ``from_process=5`` on 2 processes)."""
+
+
+class CollectiveTypeError(ArgumentTypeError):
+    """A collective got a value of a type it cannot handle (e.g. a string to ``gather``)."""
 
 
 class CollectiveTimeoutError(AccelError, TimeoutError):
@@ -63,6 +108,43 @@ class CheckpointError(AccelError, ValueError):
 class CheckpointArgumentError(CheckpointError, TypeError):
     """An argument of a checkpoint function is invalid (e.g. ``step=3.0``): a wrong type or
     value, so it is both a ``ValueError`` and a ``TypeError``."""
+
+
+class DataLoaderTypeError(ArgumentTypeError):
+    """``prepare_data_loader`` / ``skip_first_batches`` received something else than a loader."""
+
+
+class NoExecutableBatchSizeError(AccelError, RuntimeError):
+    """``find_executable_batch_size``: even a batch size of 1 ran out of memory."""
+
+
+class OtherRankFailedError(AccelError, RuntimeError):
+    """Another rank raised a (non out-of-memory) error during the batch-size search."""
+
+
+class TrackerUnavailableError(AccelError, ImportError):
+    """A tracker named in ``log_with`` needs a package that is not installed."""
+
+
+class TrackingNotActiveError(AccelError, RuntimeError):
+    """``accel.log``/``accel.get_tracker`` was called outside ``with accel.tracking(...)``."""
+
+
+class LogValueError(ArgumentTypeError, ValueError):
+    """A value passed to ``accel.log`` cannot be logged (wrong type or not a scalar)."""
+
+
+class LaunchError(AccelError, RuntimeError):
+    """Processes cannot be launched from here, or a launched process failed."""
+
+
+class SelfTestError(AccelError, AssertionError):
+    """A check of ``accel test`` found a wrong result."""
+
+
+class StaleParametersError(AccelError, ValueError):
+    """An optimizer holds parameters that ``prepare_model`` replaced (FSDP sharding swaps a
+    model's parameters for sharded ones): it was created before the model was prepared."""
 
 
 class DeviceMapError(AccelError, ValueError):

@@ -18,7 +18,7 @@ from typing_extensions import ParamSpec
 
 from accel._state import ProcessState, gated, state
 from accel.collectives import begin, gather_object, wait_for_everyone
-from accel.errors import MainProcessFirstError
+from accel.errors import ArgumentTypeError, MainProcessFirstError
 
 __all__ = [
     "get_logger",
@@ -43,7 +43,7 @@ def _gate(
     default: D,
 ) -> Callable[P, R | D]:
     if not callable(function):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"@accel.{label} decorates a function, got {type(function).__name__} "
             f"{function!r:.60}. Use it as `@accel.{label}` above a `def`."
         )
@@ -127,7 +127,7 @@ def on_last_process(function: Any = None, /, *, default: Any = None) -> Any:
 
 def _index(label: str, index: object) -> int:
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"accel.{label}() takes the process index first, got {index!r:.60}. "
             f"Write `@accel.{label}(1)` above the function."
         )

@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from accel._state import current_gate, state
 from accel.collectives import gather
-from accel.errors import AccelError, ConfigError
+from accel.errors import ArgumentTypeError, ConfigError
+from accel.errors import NoExecutableBatchSizeError as NoExecutableBatchSizeError
+from accel.errors import OtherRankFailedError as OtherRankFailedError
 
 __all__ = [
     "NoExecutableBatchSizeError",
@@ -44,14 +46,6 @@ _OOM_MESSAGES = (
 )
 # What each rank reports after an attempt; the highest code on any rank decides.
 _FITTED, _OOM, _FAILED = 0, 1, 2
-
-
-class NoExecutableBatchSizeError(AccelError, RuntimeError):
-    """Even a batch size of 1 ran out of memory."""
-
-
-class OtherRankFailedError(AccelError, RuntimeError):
-    """Another rank raised a (non out-of-memory) error during the batch-size search."""
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -123,7 +117,7 @@ def _first_parameter_check(function: Callable[..., Any]) -> int | None:
         positional
     ):
         listed = ", ".join(str(p) for p in parameters)
-        raise TypeError(
+        raise ArgumentTypeError(
             f"@accel.find_executable_batch_size passes the batch size as the first argument, "
             f"named `batch_size`, but {name}({listed}) does not take it first. Write "
             f"`def {getattr(function, '__name__', 'function')}(batch_size, ...):`."
@@ -146,7 +140,7 @@ def _search(
         nonlocal next_size
         if "batch_size" in kwargs or (max_positional is not None and len(args) > max_positional):
             given = kwargs.get("batch_size", args[0] if args else None)
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{name}() was called with a batch size ({given!r}), but "
                 "@accel.find_executable_batch_size passes it itself. Call it without: "
                 f"`{name}(<the other arguments>)`."
@@ -251,7 +245,7 @@ def find_executable_batch_size(
     if function is None:
         return functools.partial(_search, starting_batch_size=starting_batch_size)
     if not callable(function):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"accel.find_executable_batch_size() wraps a function, got "
             f"{type(function).__name__} {function!r:.60}. Pass the start size by keyword: "
             f"`@accel.find_executable_batch_size(starting_batch_size={function!r:.20})`."

@@ -18,7 +18,7 @@ import torch
 from accel._sharding import FinalRound
 from accel._state import scope, state
 from accel._tree import first_non_tensor, map_tensors, tensor_leaves, zip_map_tensors
-from accel.collectives import gather, gather_object
+from accel.collectives import gather, gather_object, refuse_gated
 
 __all__ = ["gather_for_metrics", "merge_gathered_objects", "trim_gathered"]
 
@@ -202,6 +202,7 @@ def gather_for_metrics(data: T, *, use_gather_object: bool = False) -> T:
         >>> len(seen)  # 10 samples were read on 2 processes, 1 was padding
         9
     """
+    refuse_gated("gather_for_metrics")  # on one process too, as on N
     world = state().world_size
     final, remainder, ragged = _active_loader()
     as_objects = use_gather_object or first_non_tensor(data) is not None

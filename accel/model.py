@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accel._ddp import DDPOptions, ddp_options, make_ddp, note_ignored
 from accel._state import state
-from accel.errors import AccelError, ConfigError
+from accel.errors import AccelError, ArgumentTypeError, ConfigError
 from accel.precision import AutocastForward, autocast_dtype
 
 __all__ = ["StrategyNotImplementedError", "is_prepared", "prepare_model", "unwrap_model"]
@@ -179,7 +179,7 @@ def prepare_model(
         torch.float32
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"prepare_model expects a torch.nn.Module, got {type(model).__name__!r}. "
             "Pass the model itself, e.g. `accel.prepare_model(model)`."
         )

@@ -27,6 +27,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from accel._state import scope, state
+from accel.errors import ArgumentTypeError, NotPicklableError
 
 __all__ = [
     "PreparedOptimizer",
@@ -132,7 +133,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return getattr(inner, name)
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError(
+        raise NotPicklableError(
             "A prepared optimizer cannot be pickled; save `optimizer.state_dict()` instead "
             "(or use `accel.save_state`)."
         )
@@ -258,7 +259,7 @@ def prepare_optimizer(optimizer: Any, *, device_placement: bool = True) -> Prepa
         return existing
     if not (callable(getattr(optimizer, "step", None))
             and callable(getattr(optimizer, "zero_grad", None))):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"prepare_optimizer expects a torch.optim.Optimizer, got "
             f"{type(optimizer).__name__!r}. Pass the optimizer, e.g. "
             "`accel.prepare_optimizer(torch.optim.AdamW(model.parameters()))`."
@@ -563,7 +564,7 @@ def prepare_scheduler(
     if isinstance(scheduler, PreparedScheduler):
         return scheduler
     if not callable(getattr(scheduler, "step", None)):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"prepare_scheduler expects a torch.optim.lr_scheduler.LRScheduler, got "
             f"{type(scheduler).__name__!r}. Pass the scheduler, e.g. "
             "`accel.prepare_scheduler(torch.optim.lr_scheduler.StepLR(optimizer, 10))`."

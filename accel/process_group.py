@@ -103,6 +103,19 @@ def _check_on_each_node(value: object) -> bool | None:
     )
 
 
+def _check_backend_and_cpu(backend: object, cpu: object) -> None:
+    """Refuse a bad ``backend``/``cpu`` on one process too (N processes would fail)."""
+    if not isinstance(cpu, bool):
+        raise ConfigError(
+            f"cpu={cpu!r} must be True or False, e.g. `accel.distributed(cpu=True)`."
+        )
+    if backend is not None and backend not in _BACKENDS:
+        raise ConfigError(
+            f"backend={backend!r} is not a torch.distributed backend; choose one of "
+            f"{list(_BACKENDS)}, e.g. `accel.distributed(backend='gloo')` for CPU."
+        )
+
+
 @contextmanager
 def distributed(
     *,
@@ -153,6 +166,7 @@ def distributed(
         ...     print(st.rank, st.world_size, st.device)
         0 1 cpu
     """
+    _check_backend_and_cpu(backend, cpu)
     timeout_s = _as_seconds(timeout)
     on_each_node = _check_on_each_node(on_each_node)
     changes: dict[str, Any] = {

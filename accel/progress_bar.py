@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from accel._state import state
+from accel.errors import ArgumentTypeError
 
 __all__ = ["PlainProgress", "progress"]
 
@@ -27,13 +28,13 @@ class PlainProgress(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         if self.iterable is None:
-            raise TypeError("This progress bar has no iterable; call `update()` instead.")
+            raise ArgumentTypeError("This progress bar has no iterable; call `update()` instead.")
         return iter(self.iterable)
 
     def __len__(self) -> int:
         if self.iterable is None:
             if self.total is None:
-                raise TypeError("This progress bar has neither an iterable nor a total.")
+                raise ArgumentTypeError("This progress bar has neither an iterable nor a total.")
             return self.total
         return len(self.iterable)  # type: ignore[arg-type]
 
@@ -93,6 +94,13 @@ def progress(
         >>> for batch in accel.progress(loader, desc="epoch 1"):
         ...     train_step(batch)
     """
+    kind = type(iterable)
+    if iterable is not None and not (hasattr(kind, "__iter__") or hasattr(kind, "__getitem__")):
+        raise ArgumentTypeError(
+            f"accel.progress() wraps an iterable, got {type(iterable).__name__} "
+            f"{iterable!r:.60}. Pass what you iterate, e.g. `accel.progress(loader)`, or "
+            f"`accel.progress(total={iterable!r:.20})` for a bar driven by `update()`."
+        )
     show = state().is_main_process or not main_process_only
     if importlib.util.find_spec("tqdm") is None:
         return PlainProgress(iterable, tqdm_kwargs.get("total"))

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from accel._env import environ_snapshot
 from accel._state import ProcessState, Scope, set_state
-from accel.errors import CollectiveTimeoutError, RemoteError
+from accel.errors import CollectiveTimeoutError, ConfigError, RemoteError
 
 __all__ = ["fake_state", "run_distributed"]
 
@@ -163,7 +163,9 @@ def run_distributed(
         [0, 2, 4]
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be an integer >= 1, e.g. `world_size=2`.")
+        raise ConfigError(
+            f"world_size={world_size!r} must be an integer >= 1, e.g. `world_size=2`."
+        )
     ctx = _context()
     results = ctx.Queue()
     done: dict[int, bytes] = {}

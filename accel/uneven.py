@@ -15,6 +15,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 
 from accel._state import scope, state
 from accel.collectives import begin
+from accel.errors import ArgumentTypeError
 
 __all__ = ["EVEN_BATCHES_KEY", "join_uneven_inputs"]
 
@@ -28,7 +29,7 @@ def _as_joinables(joinables: Joinable | Sequence[Joinable]) -> list[Joinable]:
     items: list[Any] = [joinables] if isinstance(joinables, Joinable) else list(joinables)
     for item in items:
         if not isinstance(item, Joinable):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"accel.join_uneven_inputs() takes DDP-wrapped models (or other "
                 f"torch.distributed.algorithms.Joinable objects), got {type(item).__name__}. "
                 "Pass the prepared model, e.g. `accel.join_uneven_inputs([model])`."

@@ -26,7 +26,8 @@ import attrs
 
 from accel import _ddp
 from accel._env import LaunchEnv, read_launch_env
-from accel.errors import ConfigError
+from accel.errors import AbortedError as AbortedError
+from accel.errors import ConfigError, ConfigTypeError
 
 __all__ = [
     "SETTINGS",
@@ -450,7 +451,7 @@ def _toml_value(value: object) -> str:
         for code in (*range(0x20), 0x7F):
             escaped = escaped.replace(chr(code), f"\\u{code:04X}")
         return f'"{escaped}"'
-    raise TypeError(f"cannot write {value!r} to the flat accel config file")
+    raise ConfigTypeError(f"cannot write {value!r} to the flat accel config file")
 
 
 def dump_config(settings: Mapping[str, object]) -> str:
@@ -493,10 +494,6 @@ def write_config(path: str | os.PathLike[str], settings: Mapping[str, object]) -
     partial.write_text(text, encoding="utf-8")
     os.replace(partial, target)
     return target
-
-
-class AbortedError(ConfigError):
-    """The questionnaire's input ended before all questions were answered."""
 
 
 def _ask(

@@ -18,15 +18,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from accel._env import ENV_PREFIX, read_launch_env
-from accel.errors import AccelError, ConfigError
+from accel.errors import ConfigError
+from accel.errors import LaunchError as LaunchError
 
 __all__ = ["LaunchError", "debug_launcher", "notebook_launcher"]
 
 _MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
-
-
-class LaunchError(AccelError, RuntimeError):
-    """Processes cannot be launched from here, or a launched process failed."""
 
 
 def _attempt() -> int:

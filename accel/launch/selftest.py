@@ -20,17 +20,13 @@ import torch
 from torch import nn
 
 import accel
-from accel.errors import AccelError
+from accel.errors import SelfTestError as SelfTestError
 
 __all__ = ["SelfTestError", "check_checkpoint", "check_collectives", "check_training", "main",
            "run_checks"]
 
 _STEPS = 3
 _GLOBAL_BATCH = 12
-
-
-class SelfTestError(AccelError, AssertionError):
-    """A self-check found a wrong result."""
 
 
 def _expect(condition: bool, what: str) -> None:

@@ -37,7 +37,9 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
-from accel.errors import AccelError
+from accel.errors import LogValueError as LogValueError
+from accel.errors import TrackerUnavailableError as TrackerUnavailableError
+from accel.errors import TrackingNotActiveError as TrackingNotActiveError
 
 __all__ = [
     "LogValue",
@@ -50,18 +52,6 @@ __all__ = [
 ]
 
 LogValue = int | float | str
-
-
-class TrackerUnavailableError(AccelError, ImportError):
-    """A tracker named in ``log_with`` needs a package that is not installed."""
-
-
-class TrackingNotActiveError(AccelError, RuntimeError):
-    """``accel.log``/``accel.get_tracker`` was called outside ``with accel.tracking(...)``."""
-
-
-class LogValueError(AccelError, TypeError, ValueError):
-    """A value passed to ``accel.log`` cannot be logged (wrong type or not a scalar)."""
 
 
 @runtime_checkable

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from accel.errors import ArgumentTypeError
 from accel.trackers.base import LogValue, LogValueError, RunInfo
 
 __all__ = ["JsonlTracker", "read_jsonl", "start"]
@@ -81,7 +82,7 @@ class JsonlTracker:
 def start(run: RunInfo) -> JsonlTracker:
     """Start the jsonl tracker for ``run`` (writes ``config.json`` when a config is given)."""
     if run.options:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"The jsonl tracker takes no init options, got {dict(run.options)!r}; remove "
             "'jsonl' from `init_kwargs`."
         )

@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from accel.errors import ArgumentTypeError
 from accel.trackers.base import LogValue, RunInfo
 
 __all__ = ["MlflowTracker", "start"]
@@ -116,7 +117,7 @@ def start(run: RunInfo) -> MlflowTracker:
     artifacts = options.pop("artifact_location", None) or (project / "mlartifacts").as_uri()
     tags = dict(options.pop("tags", None) or {})
     if options:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"Unknown mlflow init options {sorted(options)!r}; the mlflow tracker takes "
             "'tracking_uri', 'experiment_name', 'tags' and 'artifact_location'."
         )
