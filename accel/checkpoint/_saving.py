@@ -34,7 +34,6 @@ from accel.checkpoint._format import FileRecord, write_bytes
 from accel.checkpoint._layout import FORMAT, MANIFEST
 from accel.checkpoint._objects import plan_object
 from accel.checkpoint._writer import PlannedFile
-from accel.checkpoint.rng import get_rng_state
 from accel.collectives import gather_object
 from accel.errors import AccelError, CheckpointError
 from accel.model import unwrap_model
@@ -133,9 +132,9 @@ def _state_dict_of(name: str, obj: Any) -> Any:
 
 
 def plan_rank_files(
-    tmp: Path, objects: dict[str, Any], rank: int, writer: bool
+    tmp: Path, objects: dict[str, Any], rank: int, writer: bool, rng: dict[str, Any]
 ) -> list[PlannedFile]:
-    """The files this rank writes: the objects (writers), gradients mid-cycle, RNG states."""
+    """The files this rank writes: the objects (writers), gradients mid-cycle, ``rng``."""
     files: list[PlannedFile] = []
     for name, obj in objects.items():
         if not isinstance(obj, nn.Module):
@@ -151,7 +150,7 @@ def plan_rank_files(
             extra = {"accumulation_step": step}
             files += plan_object(tmp, name, _state_dict_of(name, _unwrap(obj)), extra)
     scope_step = _accumulation_step(scope().extras, SCOPE_COUNTER)
-    files += plan_object(tmp, f"rng_rank{rank}", get_rng_state(), {"accumulation_step": scope_step})
+    files += plan_object(tmp, f"rng_rank{rank}", rng, {"accumulation_step": scope_step})
     return files
 
 

@@ -49,7 +49,7 @@ from accel.checkpoint._layout import (
 from accel.checkpoint._objects import read_object
 from accel.checkpoint._saving import GRADS
 from accel.checkpoint._writer import PlannedFile, write_files
-from accel.checkpoint.rng import set_rng_state
+from accel.checkpoint.rng import get_rng_state, set_rng_state
 from accel.collectives import begin, gather_object
 from accel.errors import AccelError, CheckpointArgumentError, CheckpointError
 from accel.model import unwrap_model
@@ -203,7 +203,7 @@ def save_state(
     job = _saving.start(directory, step, total_limit, each, list(objects))
 
     def plan() -> list[PlannedFile]:
-        return _saving.plan_rank_files(job.tmp, objects, st.rank, job.writer)
+        return _saving.plan_rank_files(job.tmp, objects, st.rank, job.writer, get_rng_state())
 
     if async_save:
         launch(job, plan)
