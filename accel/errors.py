@@ -14,6 +14,7 @@ __all__ = [
     "AccelError",
     "ArgumentTypeError",
     "CheckpointArgumentError",
+    "CheckpointCancelledError",
     "CheckpointError",
     "CollectiveArgumentError",
     "CollectiveMismatchError",
@@ -103,6 +104,11 @@ class RemoteError(AccelError, RuntimeError):
 
 class CheckpointError(AccelError, ValueError):
     """A checkpoint is missing, incomplete, corrupted or does not match the objects."""
+
+
+class CheckpointCancelledError(AccelError, InterruptedError):
+    """An asynchronous checkpoint write was stopped (its ``distributed()`` block ended by an
+    exception) before it finished; the checkpoint was not made visible."""
 
 
 class CheckpointArgumentError(CheckpointError, TypeError):

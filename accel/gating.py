@@ -18,7 +18,7 @@ from typing_extensions import ParamSpec
 
 from accel._state import ProcessState, gated, state
 from accel.collectives import begin, gather_object, wait_for_everyone
-from accel.errors import ArgumentTypeError, MainProcessFirstError
+from accel.errors import ArgumentTypeError, ConfigError, MainProcessFirstError
 
 __all__ = [
     "get_logger",
@@ -278,8 +278,19 @@ def get_logger(
         >>> logger.info("rank %d", accel.state().rank, main_process_only=False)
         >>> logger.info("one after another", in_order=True)
     """
+    if not isinstance(name, str):
+        raise ArgumentTypeError(
+            f"accel.get_logger() takes the logger's name, got {type(name).__name__} "
+            f"{name!r:.60}. Pass a string, e.g. `accel.get_logger(__name__)`."
+        )
     logger = logging.getLogger(name)
     if log_level is not None:
-        logger.setLevel(log_level.upper() if isinstance(log_level, str) else log_level)
+        try:
+            logger.setLevel(log_level.upper() if isinstance(log_level, str) else log_level)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"log_level={log_level!r} is not a logging level; pass e.g. 'INFO', 'DEBUG' "
+                "or logging.INFO: `accel.get_logger(__name__, log_level='INFO')`."
+            ) from None
     return MultiProcessAdapter(logger, main_process_only=main_process_only)
 

@@ -334,7 +334,15 @@ def load_scaler_state_dict(state_dict: dict[str, Any] | None) -> None:
 def _as_list(parameters: Params) -> list[torch.Tensor]:
     if isinstance(parameters, torch.Tensor):
         return [parameters]
-    return list(parameters)
+    items = list(parameters) if isinstance(parameters, Iterable) else [parameters]
+    for item in items:
+        if not isinstance(item, torch.Tensor):
+            raise ArgumentTypeError(
+                f"Gradient clipping takes tensors (e.g. `model.parameters()`), got "
+                f"{type(item).__name__} {item!r:.60}. Pass the parameters, e.g. "
+                "`accel.clip_grad_norm_(model.parameters(), 1.0)`."
+            )
+    return items
 
 
 def unscale_gradients(optimizer: Any = None) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch.distributed.algorithms.join import Join, Joinable
 
 from accel._state import scope, state
@@ -25,14 +26,23 @@ __all__ = ["EVEN_BATCHES_KEY", "join_uneven_inputs"]
 EVEN_BATCHES_KEY = "even_batches_override"
 
 
-def _as_joinables(joinables: Joinable | Sequence[Joinable]) -> list[Joinable]:
-    items: list[Any] = [joinables] if isinstance(joinables, Joinable) else list(joinables)
+def _as_joinables(joinables: object, *, single: bool = False) -> list[Joinable]:
+    """The entries as a list; on one process (``single``) models and optimizers are accepted
+    unwrapped (``prepare_model`` wraps nothing there), anything else is refused as on N."""
+    if isinstance(joinables, Joinable | torch.nn.Module | torch.optim.Optimizer):
+        items: list[Any] = [joinables]
+    elif isinstance(joinables, Sequence) and not isinstance(joinables, str | bytes):
+        items = list(joinables)
+    else:
+        items = [joinables]
+    accepted = (Joinable, torch.nn.Module, torch.optim.Optimizer) if single else (Joinable,)
     for item in items:
-        if not isinstance(item, Joinable):
+        if not isinstance(item, accepted):
             raise ArgumentTypeError(
                 f"accel.join_uneven_inputs() takes DDP-wrapped models (or other "
-                f"torch.distributed.algorithms.Joinable objects), got {type(item).__name__}. "
-                "Pass the prepared model, e.g. `accel.join_uneven_inputs([model])`."
+                f"torch.distributed.algorithms.Joinable objects), got {type(item).__name__} "
+                f"{item!r:.60}. Pass the prepared model, e.g. "
+                "`accel.join_uneven_inputs([model])`."
             )
     return items
 
@@ -101,6 +111,7 @@ def join_uneven_inputs(
     begin("join_uneven_inputs")  # refuses to start inside a rank gate
     with _even_batches(even_batches):
         if state().world_size == 1:
+            _as_joinables(joinables, single=True)  # refuse what N processes would refuse
             yield
             return
         with Join(_as_joinables(joinables)):

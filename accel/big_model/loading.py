@@ -15,6 +15,7 @@ from accel.big_model.device_map import resolve_device_map
 from accel.big_model.dispatch import dispatch_with_sources
 from accel.big_model.offload import TensorSource, write_offload_file
 from accel.checkpoint import _stream
+from accel.checkpoint._paths import as_path
 from accel.checkpoint.model_io import _checkpoint_files, _resolve
 from accel.errors import CheckpointError, DeviceMapError
 
@@ -103,7 +104,7 @@ def load_checkpoint_and_dispatch(
             no_split_module_classes=no_split_module_classes,
             dtype=cast,
         )
-    where = os.fspath(checkpoint)
+    where = os.fspath(as_path(checkpoint, "accel.load_checkpoint_and_dispatch", "checkpoint"))
     files = _checkpoint_files(_resolve(Path(checkpoint)))
     placer = _stream.in_place if placed is None else _stream.where_mapped(placed)
     plan = _stream.plan_load(model, files, placer=placer, dtype=cast)

@@ -135,7 +135,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
 def leftovers(final: Path, kind: str) -> list[Path]:
     """Hidden scratch siblings of ``final`` of one kind (``tmp``, ``old`` or ``trash``)."""
     if kind not in _KINDS:
-        raise ValueError(kind)
+        raise CheckpointError(f"leftovers(kind={kind!r}): kind must be one of {list(_KINDS)}.")
     pattern = re.compile(rf"^\.{re.escape(final.name)}\.{kind}-[0-9a-f]+$")
     try:
         names = os.listdir(final.parent)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from accel.checkpoint._atomic import leftovers
+from accel.checkpoint._paths import as_path
 from accel.errors import CheckpointArgumentError, CheckpointError
 
 __all__ = [
@@ -195,5 +196,5 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         >>> accel.latest_checkpoint("ckpt")
         PosixPath('ckpt/checkpoint_300')
     """
-    found, _ = candidates(Path(root))
+    found, _ = candidates(as_path(root, "accel.latest_checkpoint", "root"))
     return next((path for path in found if is_complete(path)), None)

@@ -25,6 +25,7 @@ import torch
 
 from accel.checkpoint._crc import join_crcs
 from accel.checkpoint._format import FileRecord, _host, _view, safetensors_prefix
+from accel.errors import CheckpointCancelledError
 
 __all__ = ["PlannedFile", "plan_bytes", "plan_safetensors", "write_files"]
 
@@ -165,7 +166,8 @@ def write_files(
 
     On an error the remaining tasks stop and the first error is raised; the partly written
     files stay where they are (in the save's temporary directory, removed by its caller).
-    Setting ``cancelled`` stops the writing the same way, with an ``InterruptedError``.
+    Setting ``cancelled`` stops the writing the same way, with a ``CheckpointCancelledError`` (an
+    ``InterruptedError``).
     """
     stop = cancelled if cancelled is not None else threading.Event()
     opened: list[_File] = []
@@ -197,7 +199,7 @@ def write_files(
         if errors:
             raise errors[0]
         if stop.is_set():
-            raise InterruptedError("the checkpoint write was cancelled")
+            raise CheckpointCancelledError("the checkpoint write was cancelled")
         return [file.record for file in opened if file.record is not None]
     finally:
         for file in opened:

@@ -16,6 +16,7 @@ from accel._sizes import parse_size
 from accel.checkpoint import _model_swap
 from accel.checkpoint._atomic import leftovers, temp_sibling, write_file_atomically
 from accel.checkpoint._format import write_bytes, write_safetensors
+from accel.checkpoint._paths import as_module, as_path
 from accel.errors import CheckpointError
 from accel.model import unwrap_model
 
@@ -33,7 +34,7 @@ def get_state_dict(model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.
     Example:
         >>> sd = accel.get_state_dict(model)   # a DDP model gives the bare module's keys
     """
-    target = unwrap_model(model) if unwrap else model
+    target = unwrap_model(as_module(model, "accel.get_state_dict")) if unwrap else model
     return {k: v.detach() for k, v in target.state_dict().items()}
 
 
@@ -138,7 +139,7 @@ def save(
     """
     from accel.checkpoint import _nodes, _single
 
-    target = Path(path)
+    target = as_path(path, "accel.save")
     safe = _single.wants_safetensors(target, safe_serialization)
     each = _nodes.resolve(on_each_node, "save")
     tensors = _single.check_flat_tensors(obj, target) if safe else None
@@ -177,7 +178,7 @@ def load(path: str | os.PathLike[str], *, map_location: str | torch.device = "cp
     """
     from accel.checkpoint import _single
 
-    return _single.read_file(Path(path), map_location)
+    return _single.read_file(as_path(path, "accel.load"), map_location)
 
 
 def save_model(
@@ -215,7 +216,8 @@ def save_model(
     """
     from accel.checkpoint import _nodes
 
-    out = Path(directory)
+    out = as_path(directory, "accel.save_model", "directory")
+    as_module(model, "accel.save_model")
     limit = _parse_size(max_shard_size)
     each = _nodes.resolve(on_each_node, "save_model")
     tensors = get_state_dict(model)
@@ -449,7 +451,8 @@ def load_checkpoint_in_model(
     from accel.checkpoint._stream import DISK, as_dtype
     from accel.errors import DeviceMapError
 
-    target = unwrap_model(model)
+    target = unwrap_model(as_module(model, "accel.load_checkpoint_in_model"))
+    as_path(checkpoint, "accel.load_checkpoint_in_model", "checkpoint")
     cast = as_dtype(dtype)
     placed: dict[str, torch.device | str] | None = None
     if device_map is not None:

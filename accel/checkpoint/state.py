@@ -47,6 +47,7 @@ from accel.checkpoint._layout import (
     read_manifest,
 )
 from accel.checkpoint._objects import read_object
+from accel.checkpoint._paths import as_path
 from accel.checkpoint._saving import GRADS
 from accel.checkpoint._writer import PlannedFile, write_files
 from accel.checkpoint.rng import get_rng_state, set_rng_state
@@ -95,6 +96,7 @@ def _require_objects(objects: dict[str, Any], op: str, where: str | os.PathLike[
 
     Depends only on the arguments, so every rank raises alike, before any collective.
     """
+    as_path(where, f"accel.{op}", "directory")
     if objects:
         return
     names = "model=model, optimizer=optimizer, scheduler=scheduler, train_loader=loader"

@@ -354,6 +354,14 @@ def tracking(
     entries = _resolve(log_with)  # every rank validates the arguments
     run_name = _check_run_name(run_name)
     settings = _plain_config(config)
+    if init_kwargs is not None and not (
+        isinstance(init_kwargs, Mapping)
+        and all(isinstance(value, Mapping) for value in init_kwargs.values())
+    ):
+        raise ConfigError(
+            f"init_kwargs={init_kwargs!r:.80} must map tracker names to dicts of options, "
+            "e.g. `init_kwargs={'wandb': {'mode': 'offline'}}`."
+        )
     options = dict(init_kwargs or {})
     names = tuple(e if isinstance(e, str) else e.name for e in entries)
     unknown = sorted(set(options) - set(names))
