@@ -14,10 +14,33 @@ import attrs
 import torch
 from torch.utils.data import DataLoader
 
-from accel._sharding import Reseeder
 from accel._state import state
 
-__all__ = ["WorkerSeeds", "epoch_seed", "seeded_copy", "stream_reseeder", "worker_seeds"]
+__all__ = [
+    "Reseeder", "WorkerSeeds", "epoch_seed", "seeded_copy", "stream_reseeder", "worker_seeds",
+]
+
+
+@attrs.define(eq=False)
+class Reseeder:
+    """Per epoch: reseed the sampler's generator with ``seed + epoch`` and call ``set_epoch``.
+
+    ``seed + epoch`` wraps modulo ``2**64`` (as ``torch.Generator.manual_seed`` reads negative
+    seeds), so any seed a generator can hold works for every epoch.
+
+    Example:
+        >>> Reseeder(torch.Generator(), 7, (sampler,))(2)  # seed 9, sampler.set_epoch(2)
+    """
+
+    generator: torch.Generator | None
+    seed: int
+    targets: tuple[Any, ...]
+
+    def __call__(self, epoch: int) -> None:
+        if self.generator is not None:
+            self.generator.manual_seed((self.seed + epoch) % 2**64)  # a generator's range
+        for target in self.targets:
+            target.set_epoch(epoch)
 
 
 def epoch_seed(own: object, *, shared: bool) -> int:
@@ -62,7 +85,7 @@ def stream_reseeder(dataset: Any, *, shared: bool) -> Reseeder:
 def seeded_copy(batch_sampler: Any, dataset: Any, *, shared: bool) -> tuple[Any, Reseeder]:
     """Copy the batch sampler (and its random sampler) so the copy has its own generator.
 
-    Returns the copy and the :class:`~accel._sharding.Reseeder` to call before each epoch
+    Returns the copy and the :class:`Reseeder` to call before each epoch
     (it also calls ``set_epoch`` on the sampler, batch sampler and dataset that have one).
 
     Example:

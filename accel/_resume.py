@@ -14,7 +14,9 @@ from typing import Any
 
 import attrs
 
-from accel._sharding import Reseeder, ShardedBatchSampler, StreamShard
+from accel._epochs import Reseeder
+from accel._sharding import ShardedBatchSampler
+from accel._stream_shard import StreamShard
 from accel.errors import CheckpointError
 
 __all__ = ["LoaderState", "loader_state", "read_loader_state", "rederive_position",
@@ -80,19 +82,19 @@ def read_loader_state(
         ...                   world_size=4, split_batches=False)
         LoaderState(epoch=1, yielded=2, shuffle_seed=None, worker_seed=None)
     """
+    saved: Mapping[str, Any] = state_dict if isinstance(state_dict, Mapping) else {}
     values: list[int] = []
     for key in _POSITION_KEYS:
-        value = state_dict.get(key) if isinstance(state_dict, Mapping) else None
+        value = saved.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise CheckpointError(
                 f"a data loader position needs non-negative integers {list(_POSITION_KEYS)}, "
                 f"got {state_dict!r}. Pass what `loader.state_dict()` returned."
             )
         values.append(value)
-    assert isinstance(state_dict, Mapping)
     seeds: list[int | None] = []
     for key in _SEED_KEYS:
-        seed = state_dict.get(key)
+        seed = saved.get(key)
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise CheckpointError(
                 f"a data loader state's {key!r} must be an integer or None, got {seed!r} in "
@@ -100,13 +102,13 @@ def read_loader_state(
             )
         seeds.append(seed)
     epoch, yielded = values
-    saved_world = state_dict.get("world_size", world_size)
+    saved_world = saved.get("world_size", world_size)
     if not isinstance(saved_world, int) or isinstance(saved_world, bool) or saved_world < 1:
         raise CheckpointError(
             f"a data loader state's 'world_size' must be a positive integer, got "
             f"{saved_world!r}. Pass what `loader.state_dict()` returned."
         )
-    saved_split = bool(state_dict.get("split_batches", split_batches))
+    saved_split = bool(saved.get("split_batches", split_batches))
     if saved_world != world_size or saved_split != split_batches:
         yielded = rederive_position(
             yielded, saved=(saved_world, saved_split), now=(world_size, split_batches)
@@ -119,7 +121,7 @@ def shuffle_reseeder(*holders: object) -> Reseeder | None:
     ``holders`` whose reseeder owns a generator, else ``None`` (nothing to seed).
 
     Example:
-        >>> shuffle_reseeder(loader._sharded, loader._stream)
+        >>> shuffle_reseeder(sharded_batch_sampler, stream_shard)
         Reseeder(generator=<torch._C.Generator ...>, seed=7, targets=())
     """
     for holder in holders:

@@ -1,9 +1,9 @@
-"""Prepare a model for the run (device, mixed precision forward, DDP, compile) and unwrap it.
+"""Prepare a model for the run (device, mixed precision forward, DDP or FSDP2, compile) and
+unwrap it.
 
-FSDP2 (``strategy="fsdp"``, ``torch.distributed.fsdp.fully_shard``) belongs in its own module
-(``accel/fsdp.py``, a later piece of work); :func:`prepare_model` raises a clear error for it
-until then. Nothing else in the training path assumes DDP: accumulation, clipping and the
-optimizer wrapper work on any module.
+FSDP2 (``strategy="fsdp"``, ``torch.distributed.fsdp.fully_shard``) lives in ``accel/fsdp.py``
+(imported only when that strategy is used); this module dispatches to it. Nothing else in the
+training path assumes DDP: accumulation, clipping and the optimizer wrapper work on any module.
 """
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ _STRATEGIES = ("none", "ddp", "fsdp")
 
 
 class StrategyNotImplementedError(AccelError, NotImplementedError):
-    """The requested parallelism strategy is not available in this version of accel."""
+    """The requested parallelism strategy is not available in this version of accel.
+
+    No strategy raises it today (``"none"``, ``"ddp"`` and ``"fsdp"`` are all implemented);
+    kept so that code catching it keeps importing.
+    """
 
 
 def is_prepared(model: nn.Module) -> bool:
@@ -62,12 +66,6 @@ def _resolve_strategy(strategy: str | None) -> str:
         raise ConfigError(
             f"strategy={chosen!r} is not supported; choose one of {list(_STRATEGIES)}, "
             "e.g. `accel.prepare_model(model, strategy='ddp')`."
-        )
-    if chosen == "fsdp":
-        raise StrategyNotImplementedError(
-            "strategy='fsdp' (FSDP2 sharding with torch.distributed.fsdp.fully_shard) is not "
-            "implemented yet in accel: it is planned work for `accel/fsdp.py`. Use "
-            "`strategy='ddp'` (the multi-process default) until it lands."
         )
     return chosen
 
@@ -138,7 +136,7 @@ def prepare_model(
     evaluation_mode: bool = False,
     **strategy_options: Any,
 ) -> nn.Module:
-    """Make ``model`` ready for the run: device, mixed precision forward, DDP, compile.
+    """Make ``model`` ready for the run: device, mixed precision forward, DDP or FSDP2, compile.
 
     In order: the model moves to ``accel.state().device``; under mixed precision (bf16/fp16)
     its ``forward`` is wrapped once to run in autocast and return floating outputs as fp32
@@ -149,16 +147,28 @@ def prepare_model(
     :func:`torch.compile` last. Preparing the result (or the original module) again returns
     the same object.
 
+    With ``strategy="fsdp"`` the model is sharded in place with FSDP2's ``fully_shard``
+    instead of being wrapped in DDP (see ``docs/fsdp.md``): each block named by
+    ``shard_modules`` and then the root; under mixed precision a ``MixedPrecisionPolicy``
+    casts the all-gathered parameters and gradient reductions to bf16/fp16 while the sharded
+    parameters stay fp32, and the autocast forward wrapper is installed as well. Prepare the
+    model before creating its optimizer (or pass both to :func:`accel.prepare`): sharding
+    replaces the parameters. On one process the model is not sharded (an info note says so).
+
     Args:
         model: the user's module.
         device_placement: move the model to the state's device.
         strategy: ``"none"``, ``"ddp"`` or ``"fsdp"``; default ``accel.state().strategy``.
         compile: wrap the result with :func:`torch.compile`; a mapping is passed to it as
             options, e.g. ``{"mode": "max-autotune"}`` or ``{"backend": "eager"}``.
-        evaluation_mode: prepare for inference only (no DDP wrapper).
-        **strategy_options: DDP options, overriding those of ``accel.distributed()`` and the
-            config file key by key: ``find_unused_parameters``, ``static_graph``,
-            ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``broadcast_buffers``,
+        evaluation_mode: prepare for inference only (no DDP wrapper, no FSDP sharding).
+        **strategy_options: with ``strategy="fsdp"``: ``shard_modules`` (a module class, a
+            class name, or an iterable of them), ``reshard_after_forward`` (default ``True``)
+            and ``cpu_offload`` (default ``False``), overriding those of
+            ``accel.distributed()``. Otherwise DDP options, overriding those of
+            ``accel.distributed()`` and the config file key by key:
+            ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
+            ``bucket_cap_mb``, ``broadcast_buffers``,
             ``comm_hook`` (``"no"``, ``"fp16"``, ``"bf16"``, ``"power_sgd"``,
             ``"batched_power_sgd"`` or a callable ``hook(state, bucket)``), ``comm_wrapper``
             (``"no"``, ``"fp16"``, ``"bf16"``), ``comm_state_option`` (PowerSGD options) and
@@ -166,11 +176,12 @@ def prepare_model(
             where no DDP wrapper applies they are ignored (said once, at debug level).
 
     Returns:
-        The module to train with (the model itself, a DDP wrapper, or a compiled module).
+        The module to train with (the model itself, sharded in place under FSDP, a DDP
+        wrapper, or a compiled module).
 
     Raises:
-        ConfigError: unknown strategy, unknown DDP option or invalid option value.
-        StrategyNotImplementedError: ``strategy="fsdp"`` (not implemented yet).
+        ConfigError: unknown strategy, unknown DDP/FSDP option, invalid option value, or a
+            ``shard_modules`` class that occurs nowhere in the model.
 
     Example:
         >>> with accel.distributed(mixed_precision="bf16"):
@@ -188,17 +199,26 @@ def prepare_model(
         return existing
     chosen = _resolve_strategy(strategy)
     st = state()
-    ddp = ddp_options(st.options, strategy_options)
-    if device_placement:
-        model = model.to(st.device)
+    if chosen == "fsdp":
+        from accel import fsdp  # torch.distributed.fsdp loads only for this strategy
+
+        sharding = fsdp.fsdp_options(st.options, strategy_options)
+        model = fsdp.shard_model(
+            model, sharding, evaluation_mode=evaluation_mode, device_placement=device_placement
+        )
+    else:
+        ddp = ddp_options(st.options, strategy_options)
+        if device_placement:
+            model = model.to(st.device)
     if st.mixed_precision != "no":
         _install_autocast_forward(model)
     result: nn.Module = model
-    no_ddp = _no_ddp_reason(chosen, st.world_size, evaluation_mode, model)
-    if no_ddp:
-        note_ignored(ddp, no_ddp)
-    else:
-        result = _wrap_ddp(model, st.device, ddp)
+    if chosen != "fsdp":
+        no_ddp = _no_ddp_reason(chosen, st.world_size, evaluation_mode, model)
+        if no_ddp:
+            note_ignored(ddp, no_ddp)
+        else:
+            result = _wrap_ddp(model, st.device, ddp)
     if compile:
         options = dict(compile) if isinstance(compile, Mapping) else {}
         result = torch.compile(result, **options)  # type: ignore[assignment]
@@ -210,6 +230,10 @@ def prepare_model(
 
 def unwrap_model(model: nn.Module, *, keep_fp32_wrapper: bool = True) -> nn.Module:
     """The user's module inside a prepared model (through DDP and ``torch.compile``).
+
+    FSDP2 shards in place: the module ``prepare_model`` returned is the user's module (its
+    class is now FSDP's subclass of the user's class, and its parameters are sharded), so it
+    is returned as it is. ``accel.get_state_dict`` gives its full weights.
 
     Args:
         model: a prepared (or plain) module.

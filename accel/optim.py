@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from accel._fsdp_params import check_optimizer_parameters, plain_norm
 from accel._state import scope, state
 from accel.errors import ArgumentTypeError, NotPicklableError
 
@@ -249,6 +250,8 @@ def prepare_optimizer(optimizer: Any, *, device_placement: bool = True) -> Prepa
 
     Raises:
         TypeError: ``optimizer`` has no ``step``/``zero_grad``.
+        StaleParametersError: it holds parameters that ``prepare_model(strategy="fsdp")``
+            replaced (it was created before the model was sharded).
 
     Example:
         >>> optimizer = accel.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -271,6 +274,7 @@ def prepare_optimizer(optimizer: Any, *, device_placement: bool = True) -> Prepa
         scaler = sc.grad_scaler
         if scaler is None:
             scaler = sc.grad_scaler = torch.amp.GradScaler(st.device.type)
+    check_optimizer_parameters(optimizer)
     if device_placement:
         _place_state(optimizer, st.device)
     prepared = PreparedOptimizer(optimizer, scaler)
@@ -388,9 +392,11 @@ def clip_grad_norm_(
     """Clip the gradients' total norm, unscaling fp16 gradients first (once per step).
 
     Use it in place of :func:`torch.nn.utils.clip_grad_norm_`; it works for DDP and FSDP2
-    (DTensor) parameters alike. On a non-sync step (inside ``accel.accumulate`` while
-    gradients are still being accumulated) it does not clip and returns the total norm of
-    the gradients accumulated so far on this rank (in unscaled units). Accelerate clips
+    (DTensor) parameters alike: under FSDP2 the norm is taken over every rank's shards (a
+    collective: call it on every rank) and returned as a plain tensor, the same on every
+    rank. On a non-sync step (inside ``accel.accumulate`` while gradients are still being
+    accumulated) it does not clip and returns the total norm of the gradients accumulated so
+    far on this rank (in unscaled units). Accelerate clips
     those partial sums; accel does not, because the clip belongs to the gradient the
     optimizer will use, and unscaling a partial fp16 sum would break the GradScaler.
 
@@ -411,13 +417,13 @@ def clip_grad_norm_(
     sc = scope()
     if not sc.sync_gradients:
         grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        norm = plain_norm(torch.nn.utils.get_total_norm(grads, norm_type))
         scaler = active_scaler()
         if scaler is not None and scaler.is_enabled():
             norm = norm / scaler.get_scale()
         return norm
     unscale_gradients()
-    return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    return plain_norm(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
 
 
 def clip_grad_value_(parameters: Params, clip_value: float) -> None:
