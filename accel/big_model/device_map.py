@@ -11,6 +11,10 @@ brought into for their forward.
 
 One deliberate difference: when a module is split, its direct buffers are placed too
 (Accelerate drops them, so its own ``check_device_map`` then refuses the map it made).
+
+The model's sizes and structure come from :mod:`accel.big_model._model_walk`; explicit maps
+are checked by :mod:`accel.big_model._explicit_map` (``check_device_map`` and
+``normalize_device`` stay importable from here).
 """
 
 from __future__ import annotations
@@ -23,40 +27,32 @@ import torch
 from torch import nn
 
 from accel._sizes import parse_size
+from accel.big_model._explicit_map import (
+    DEVICE_MAP_CHOICES,
+    Placement,
+    check_device_map,
+)
+from accel.big_model._explicit_map import normalize_device as normalize_device  # re-exported
+from accel.big_model._model_walk import (
+    DType,
+    Item,
+    class_names,
+    direct_items,
+    inside,
+    largest_layer,
+    merge,
+    module_sizes,
+    splittable,
+    tied_groups,
+    walk_order,
+)
 from accel.errors import DeviceMapError
 
 __all__ = ["get_balanced_memory", "infer_auto_device_map"]
 
 DeviceKey = int | str  # a GPU index, "cpu" or "disk"
-Placement = torch.device | str  # a torch.device, or "disk"
 MaxMemory = Mapping[Any, int | float | str]  # device key -> bytes or a size string
-DType = torch.dtype | str  # torch.float16 or "float16"/"torch.float16", as Accelerate takes
-_CHOICES = ("auto", "balanced", "balanced_low_0", "sequential")
 _RAM_SHARE = 0.9  # default "cpu" budget: this share of the available RAM
-
-
-def normalize_device(value: object) -> Placement:
-    """A device map value as a ``torch.device`` (``0`` -> ``cuda:0``), or ``"disk"``.
-
-    Example:
-        >>> normalize_device(0), normalize_device("cpu"), normalize_device("disk")
-        (device(type='cuda', index=0), device(type='cpu'), 'disk')
-    """
-    if isinstance(value, torch.device):
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return torch.device("cuda", value)
-    if value == "disk":
-        return "disk"
-    if isinstance(value, str):
-        try:
-            return torch.device(value)
-        except (RuntimeError, ValueError):
-            pass
-    raise DeviceMapError(
-        f"{value!r} is not a device for a device map; use a GPU index (0, 1, ...), a device "
-        "string such as 'cpu' or 'cuda:1', a torch.device, or 'disk'."
-    )
 
 
 def _budget_key(key: object) -> DeviceKey:
@@ -126,144 +122,6 @@ def parse_max_memory(max_memory: MaxMemory | None) -> dict[DeviceKey, int]:
     return {k: parsed[k] for k in [*gpus, "cpu", "disk"] if k in parsed}
 
 
-def _class_names(classes: Iterable[type[nn.Module] | str] | str | None) -> set[str]:
-    if classes is None:
-        return set()
-    if isinstance(classes, (str, type)):
-        classes = [classes]
-    names = set()
-    for item in classes:
-        if isinstance(item, type):
-            names.add(item.__name__)
-        elif isinstance(item, str):
-            names.add(item)
-        else:
-            raise DeviceMapError(
-                f"no_split_module_classes holds {item!r}; give module classes or class names, "
-                "e.g. [Block] or ['Block']."
-            )
-    return names
-
-
-def _as_dtype(dtype: DType | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
-    if not isinstance(found, torch.dtype):
-        raise DeviceMapError(
-            f"dtype={dtype!r} is not a torch dtype; give one such as torch.float16 or "
-            "'bfloat16'."
-        )
-    return found
-
-
-def module_sizes(model: nn.Module, dtype: DType | None = None) -> dict[str, int]:
-    """Bytes under every module and tensor name (``""`` is the whole model).
-
-    Each tensor counts once (tied parameters under their first name); floating tensors are
-    counted in ``dtype`` when it is smaller than their own.
-    """
-    cast = _as_dtype(dtype)
-    sizes: dict[str, int] = {}
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    for name, tensor in tensors:
-        itemsize = tensor.element_size()
-        if cast is not None and tensor.is_floating_point():
-            itemsize = min(itemsize, cast.itemsize)
-        size = tensor.numel() * itemsize
-        parts = name.split(".")
-        for depth in range(len(parts) + 1):
-            prefix = ".".join(parts[:depth])
-            sizes[prefix] = sizes.get(prefix, 0) + size
-    return sizes
-
-
-def tied_groups(model: nn.Module) -> list[list[str]]:
-    """Names of parameters that are one object reachable under several names.
-
-    Each group is sorted by name, as Accelerate's ``find_tied_parameters`` gives them: when a
-    pair does not fit, the first splittable partner in that order is the one split.
-    """
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [sorted(group) for group in names.values() if len(group) > 1]
-
-
-Item = tuple[str, nn.Module | torch.Tensor]
-
-
-def _direct(module: nn.Module, prefix: str = "", *, buffers: bool = True) -> list[Item]:
-    """A module's direct parameters, children (and buffers), with full names."""
-    dot = f"{prefix}." if prefix else ""
-    items: list[Item] = [(dot + n, p) for n, p in module.named_parameters(recurse=False)]
-    items += [(dot + n, m) for n, m in module.named_children()]
-    if buffers:
-        items += [(dot + n, b) for n, b in module.named_buffers(recurse=False)]
-    return items
-
-
-def _splittable(obj: nn.Module | torch.Tensor, no_split: set[str]) -> bool:
-    return (
-        isinstance(obj, nn.Module)
-        and any(True for _ in obj.children())
-        and type(obj).__name__ not in no_split
-    )
-
-
-def _largest_layer(
-    items: list[Item], sizes: dict[str, int], no_split: set[str]
-) -> tuple[int, list[str]]:
-    """The size of the largest unsplittable module among ``items``, and the names reaching it."""
-    best, names = 0, []
-    stack = [(n, m) for n, m in items if isinstance(m, nn.Module)]
-    while stack:
-        name, module = stack.pop(0)
-        if _splittable(module, no_split):
-            stack = [(n, m) for n, m in _direct(module, name, buffers=False)
-                     if isinstance(m, nn.Module)] + stack
-            continue
-        size = sizes.get(name, 0)
-        if size > best:
-            best, names = size, [name]
-        elif size == best:
-            names.append(name)
-    return best, names
-
-
-def _inside(name: str, prefix: str) -> bool:
-    return (name + ".").startswith(prefix + ".")
-
-
-def _walk_order(model: nn.Module) -> dict[str, int]:
-    """Every module and tensor name at its place in the planning walk (module order)."""
-    order: dict[str, int] = {"": 0}
-    stack: list[Item] = list(reversed(_direct(model)))
-    while stack:
-        name, obj = stack.pop()
-        order.setdefault(name, len(order))
-        if isinstance(obj, nn.Module):
-            stack.extend(reversed(_direct(obj, name)))
-    return order
-
-
-def _merge(device_map: dict[str, DeviceKey], prefix: str = "") -> dict[str, DeviceKey]:
-    """Collapse every module whose entries all share one device into one entry, recursively."""
-    under = [k for k in device_map if not prefix or _inside(k, prefix)]
-    values = {device_map[k] for k in under}
-    if len(values) == 1 and len(under) > 1:
-        value = device_map[under[0]]
-        for k in under:
-            del device_map[k]
-        device_map[prefix] = value
-        return device_map
-    depth = len(prefix.split(".")) + 1 if prefix else 1
-    children = {".".join(k.split(".")[:depth]) for k in under if len(k) > len(prefix)}
-    for child in sorted(children):
-        _merge(device_map, child)
-    return device_map
-
-
 def infer_auto_device_map(
     model: nn.Module,
     *,
@@ -302,32 +160,32 @@ def infer_auto_device_map(
         {'embed': 'cpu', 'blocks.0': 'cpu', 'blocks.1': 'disk', 'head': 'disk'}
     """
     budgets = parse_max_memory(max_memory)
-    no_split = _class_names(no_split_module_classes)
+    no_split = class_names(no_split_module_classes)
     devices: list[DeviceKey] = [*budgets, *([] if "disk" in budgets else ["disk"])]
     gpus = [d for d in devices if isinstance(d, int)]
     main = {gpus[0], "cpu"} if gpus else {"cpu"}
     sizes = module_sizes(model, dtype)
     ties = tied_groups(model)
 
-    queue = _direct(model)
+    queue = direct_items(model)
     used = dict.fromkeys(devices, 0)
     placed: dict[str, DeviceKey] = {}
     current = 0
-    largest, largest_names = _largest_layer(queue, sizes, no_split)
+    largest, largest_names = largest_layer(queue, sizes, no_split)
     while queue:
         name, obj = queue.pop(0)
-        largest_names = [n for n in largest_names if not _inside(n, name)]
+        largest_names = [n for n in largest_names if not inside(n, name)]
         if not largest_names:
-            largest, largest_names = _largest_layer(queue, sizes, no_split)
+            largest, largest_names = largest_layer(queue, sizes, no_split)
         size = sizes.get(name, 0)
         # tied parameters with one name inside this entry and another outside it
-        outside = [n for group in ties if any(_inside(m, name) for m in group)
-                   and not all(_inside(m, name) for m in group)
-                   for n in group if not _inside(n, name)]
+        outside = [n for group in ties if any(inside(m, name) for m in group)
+                   and not all(inside(m, name) for m in group)
+                   for n in group if not inside(n, name)]
         partners: list[Item] = []
         with_ties = size
         for tied in outside:
-            partner = next((item for item in queue if _inside(tied, item[0])), None)
+            partner = next((item for item in queue if inside(tied, item[0])), None)
             if partner is None:  # already placed
                 continue
             with_ties -= sizes.get(tied, 0)  # counted once, here or in the partner
@@ -348,23 +206,22 @@ def infer_auto_device_map(
                 placed[partner_name] = device
             continue
         if partners and used[device] + size <= limit:
-            split = next(((n, m) for n, m in partners if _splittable(m, no_split)), None)
+            split = next(((n, m) for n, m in partners if splittable(m, no_split)), None)
             if split is not None:
                 at = next(i for i, item in enumerate(queue) if item[0] == split[0])
-                assert isinstance(split[1], nn.Module)
-                queue = [(name, obj), *queue[:at], *_direct(split[1], split[0]), *queue[at + 1:]]
-                largest, largest_names = _largest_layer(queue, sizes, no_split)
+                parts = direct_items(split[1], split[0])
+                queue = [(name, obj), *queue[:at], *parts, *queue[at + 1:]]
+                largest, largest_names = largest_layer(queue, sizes, no_split)
                 continue
-        if used[device] + size >= limit and _splittable(obj, no_split):
-            assert isinstance(obj, nn.Module)
-            queue = [*_direct(obj, name), *queue]
-            largest, largest_names = _largest_layer(queue, sizes, no_split)
+        if used[device] + size >= limit and splittable(obj, no_split):
+            queue = [*direct_items(obj, name), *queue]
+            largest, largest_names = largest_layer(queue, sizes, no_split)
             continue
         used[device] += reserved
         current += 1
         queue.insert(0, (name, obj))
-    merged = _merge(placed)
-    order = _walk_order(model)
+    merged = merge(placed)
+    order = walk_order(model)
     return dict(sorted(merged.items(), key=lambda item: order.get(item[0], len(order))))
 
 
@@ -398,7 +255,7 @@ def get_balanced_memory(
     sizes = module_sizes(model, dtype)
     total = sizes.get("", 0)
     per_gpu = total // (len(gpus) - 1 if low_zero else len(gpus))
-    no_split = _class_names(no_split_module_classes)
+    no_split = class_names(no_split_module_classes)
     block = 0
     if no_split:
         seen: dict[str, int] = {}
@@ -423,65 +280,6 @@ def get_balanced_memory(
     return budgets
 
 
-def _names(model: nn.Module) -> tuple[set[str], list[str]]:
-    """Every module and tensor name, and the tensor names (tied names included)."""
-    tensors = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    tensors += [n for n, _ in model.named_buffers(remove_duplicate=False)]
-    modules = {n for n, _ in model.named_modules(remove_duplicate=False)}
-    return modules | set(tensors), tensors
-
-
-def _covered(name: str, device_map: Mapping[str, object]) -> bool:
-    """Whether ``name`` or one of its enclosing modules (``""`` included) has an entry."""
-    while name not in device_map:
-        if not name:
-            return False
-        name = name.rpartition(".")[0]
-    return True
-
-
-def check_device_map(
-    model: nn.Module, device_map: Mapping[str, int | str | torch.device]
-) -> dict[str, Placement]:
-    """An explicit map, checked against the model and normalized (``torch.device``/``"disk"``).
-
-    Every entry must name a module, parameter or buffer (``""`` is the whole model), and
-    every parameter and buffer must be covered by an entry (itself or an enclosing module);
-    the most specific entry wins.
-
-    Example:
-        >>> check_device_map(model, {"": "cpu"})
-        {'': device(type='cpu')}
-    """
-    if not isinstance(device_map, Mapping):
-        raise DeviceMapError(
-            f"device_map={device_map!r} is not a mapping or one of "
-            f"{', '.join(map(repr, _CHOICES))}."
-        )
-    known, tensors = _names(model)
-    unknown = [k for k in device_map if not isinstance(k, str) or k not in known]
-    if unknown:
-        raise DeviceMapError(
-            f"device_map names {unknown[:10]!r}, which the model does not have; entries are "
-            "module, parameter or buffer names as in model.named_modules() ('' for the whole "
-            f"model). Top-level modules: {[n for n, _ in model.named_children()][:10]!r}."
-        )
-    normalized = {k: normalize_device(v) for k, v in device_map.items()}
-    on_meta = [k for k, v in normalized.items() if isinstance(v, torch.device) and v.type == "meta"]
-    if on_meta:
-        raise DeviceMapError(
-            f"device_map puts {on_meta[:10]!r} on 'meta', which holds no weights; use a GPU "
-            "index, 'cpu' or 'disk'."
-        )
-    uncovered = [t for t in tensors if not _covered(t, normalized)]
-    if uncovered:
-        raise DeviceMapError(
-            f"device_map leaves {len(uncovered)} tensor(s) without a device, e.g. "
-            f"{uncovered[:10]!r}; add entries for them or their modules (or '' for the rest)."
-        )
-    return normalized
-
-
 def resolve_device_map(
     model: nn.Module,
     device_map: str | Mapping[str, int | str | torch.device],
@@ -498,10 +296,11 @@ def resolve_device_map(
         {'': device(type='cpu')}
     """
     if isinstance(device_map, str):
-        if device_map not in _CHOICES:
+        if device_map not in DEVICE_MAP_CHOICES:
+            choices = ", ".join(map(repr, DEVICE_MAP_CHOICES))
             raise DeviceMapError(
                 f"device_map={device_map!r} is not a choice; use one of "
-                f"{', '.join(map(repr, _CHOICES))} or a dict of module name -> device."
+                f"{choices} or a dict of module name -> device."
             )
         if device_map != "sequential":
             max_memory = get_balanced_memory(
