@@ -22,23 +22,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accel._ddp import DDPOptions, ddp_options, make_ddp, note_ignored
 from accel._state import state
-from accel.errors import AccelError, ArgumentTypeError, ConfigError
+from accel.errors import ArgumentTypeError, ConfigError
 from accel.precision import AutocastForward, autocast_dtype
 
-__all__ = ["StrategyNotImplementedError", "is_prepared", "prepare_model", "unwrap_model"]
+__all__ = ["is_prepared", "prepare_model", "unwrap_model"]
 
 # Attribute names kept in a module's __dict__ (written there directly: nn.Module.__setattr__
 # would register a module value as a submodule, and is slower).
 _PREPARED = "_accel_prepared"  # weakref to the object prepare_model returned
 _STRATEGIES = ("none", "ddp", "fsdp")
-
-
-class StrategyNotImplementedError(AccelError, NotImplementedError):
-    """The requested parallelism strategy is not available in this version of accel.
-
-    No strategy raises it today (``"none"``, ``"ddp"`` and ``"fsdp"`` are all implemented);
-    kept so that code catching it keeps importing.
-    """
 
 
 def is_prepared(model: nn.Module) -> bool:

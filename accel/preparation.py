@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from accel._fsdp_params import adopt_sharded_parameters
 from accel.model import prepare_model
 from accel.optim import prepare_optimizer, prepare_scheduler
 
@@ -48,7 +49,9 @@ def prepare(*objects: Any) -> Any:
     :func:`accel.prepare_data_loader`, each with default options (call those functions for
     others); anything else is returned as it is. Models are prepared first, then optimizers,
     then schedulers, whatever the argument order, so a scheduler finds its prepared
-    optimizer. Results come back in the argument order.
+    optimizer. Results come back in the argument order. An optimizer made on a model that
+    is sharded here (``strategy="fsdp"``) is moved onto the sharded parameters (Accelerate's
+    FSDP2 behaviour); an optimizer with state for them is refused.
 
     Args:
         *objects: models, optimizers, schedulers, data loaders, in any order.
@@ -63,6 +66,8 @@ def prepare(*objects: Any) -> Any:
     """
     results: list[Any] = list(objects)
     for index in sorted(range(len(objects)), key=lambda i: _kind(objects[i])):
+        if isinstance(objects[index], torch.optim.Optimizer):  # after every model
+            adopt_sharded_parameters(objects[index], objects)
         results[index] = _prepare_one(objects[index])
     if len(results) == 1:
         return results[0]

@@ -15,7 +15,7 @@ from torch import nn
 import accel
 from accel._state import ProcessState, Scope, set_state
 from accel.errors import AccelError, ConfigError
-from accel.model import StrategyNotImplementedError, is_prepared
+from accel.model import is_prepared
 from accel.optim import PreparedOptimizer, PreparedScheduler
 from accel.precision import AutocastForward
 
@@ -119,19 +119,17 @@ def test_evaluation_mode_and_frozen_models_skip_ddp() -> None:
 
 def test_strategy_errors() -> None:
     with fake():
-        with pytest.raises(StrategyNotImplementedError, match="fully_shard") as info:
-            accel.prepare_model(Net(), strategy="fsdp")
-        assert isinstance(info.value, NotImplementedError)
-        assert isinstance(info.value, AccelError)
-        with pytest.raises(ConfigError, match="'zero3'"):
+        with pytest.raises(ConfigError, match="'zero3'") as info:
             accel.prepare_model(Net(), strategy="zero3")  # type: ignore[arg-type]
+        assert isinstance(info.value, AccelError)
         with pytest.raises(ConfigError, match="find_unused_parameter"):
             accel.prepare_model(Net(), find_unused_parameter=True)  # misspelt: unknown key
         accel.prepare_model(Net(), find_unused_parameters=True)  # DDP option: ignored on 1
         with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
             accel.prepare_model("not a model")  # type: ignore[arg-type]
-    with fake(strategy="fsdp"), pytest.raises(StrategyNotImplementedError):
-        accel.prepare_model(Net())
+    with fake(strategy="fsdp"):  # one process: not sharded (tests/unit/test_fsdp.py)
+        net = Net()
+        assert accel.prepare_model(net) is net
 
 
 def test_compile_wraps_and_unwraps(

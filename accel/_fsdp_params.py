@@ -1,0 +1,146 @@
+"""Parameters that FSDP2 sharding replaced: marks, the optimizer check and the remap.
+
+``fully_shard`` swaps each parameter of a module for a new DTensor parameter. An optimizer made
+before sharding still holds the old ones, and stepping it would never change the model. Each
+replaced (old) parameter carries ``_accel_fsdp_replaced = (weakref to the model, its name)``,
+set by :func:`mark_replaced`; :func:`check_optimizer_parameters` (``prepare_optimizer``) and
+:func:`adopt_sharded_parameters` (``accel.prepare(model, optimizer)``) read it, at prepare time
+only. Also :func:`plain_norm` for clipping DTensor gradients.
+
+This module does not import ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from accel.errors import StaleParametersError
+
+__all__ = [
+    "adopt_sharded_parameters",
+    "check_optimizer_parameters",
+    "mark_replaced",
+    "plain_norm",
+]
+
+_REPLACED = "_accel_fsdp_replaced"  # attribute of a parameter that fully_shard replaced
+
+
+def mark_replaced(model: nn.Module, before: dict[str, nn.Parameter]) -> None:
+    """Mark each parameter of ``before`` (names to parameters) that ``model`` no longer holds.
+
+    Example:
+        >>> before = dict(model.named_parameters())
+        >>> fully_shard(model)
+        >>> mark_replaced(model, before)
+    """
+    after = dict(model.named_parameters())
+    owner = weakref.ref(model)
+    for name, old in before.items():
+        if after.get(name) is not old:
+            setattr(old, _REPLACED, (owner, name))
+
+
+def _replaced(param: object) -> tuple[nn.Module, str] | None:
+    """``(model, name)`` when ``param`` is a parameter that ``fully_shard`` replaced."""
+    record = getattr(param, _REPLACED, None)
+    if record is None:
+        return None
+    model = record[0]()
+    return None if model is None else (model, record[1])
+
+
+def _optimizer_params(optimizer: Any) -> list[object]:
+    groups = getattr(optimizer, "param_groups", None) or []
+    return [param for group in groups for param in group.get("params", [])]
+
+
+_FIX = (
+    "Create the optimizer from the prepared model's parameters: "
+    "`model = accel.prepare_model(model); optimizer = torch.optim.AdamW(model.parameters())`, "
+    "or pass both together, `model, optimizer = accel.prepare(model, optimizer)`, which moves "
+    "a fresh optimizer onto the sharded parameters."
+)
+
+
+def check_optimizer_parameters(optimizer: Any) -> None:
+    """Refuse an optimizer that holds parameters ``fully_shard`` replaced (prepare time only).
+
+    Args:
+        optimizer: the user's optimizer.
+
+    Raises:
+        StaleParametersError: some of its parameters belong to a model sharded since the
+            optimizer was made; stepping it would update tensors the model no longer uses.
+
+    Example:
+        >>> check_optimizer_parameters(torch.optim.AdamW(model.parameters()))  # after sharding
+    """
+    stale = [found for found in map(_replaced, _optimizer_params(optimizer)) if found]
+    if stale:
+        names = [name for _, name in stale]
+        raise StaleParametersError(
+            f"The optimizer {type(optimizer).__name__!r} holds {len(stale)} parameters that "
+            f"strategy='fsdp' replaced when it sharded {type(stale[0][0]).__name__!r} "
+            f"(e.g. {names[:3]!r}): it was made before prepare_model, and stepping it would "
+            f"never change the model. {_FIX}"
+        )
+
+
+def adopt_sharded_parameters(optimizer: Any, models: Iterable[object]) -> None:
+    """Point ``optimizer`` at the sharded parameters of ``models`` that replaced its own.
+
+    What ``accel.prepare(model, optimizer)`` does for an optimizer made on the unsharded model
+    (Accelerate's FSDP2 flow): each parameter ``fully_shard`` replaced in one of ``models`` is
+    swapped for its sharded successor in the param groups. Parameters replaced in a model
+    that is not in ``models`` are left (``prepare_optimizer`` then refuses them).
+
+    Args:
+        optimizer: the user's optimizer.
+        models: the models prepared in the same ``accel.prepare`` call.
+
+    Raises:
+        StaleParametersError: the optimizer already has state (e.g. moments after a step, or
+            a loaded state dict) for a replaced parameter: that state has the unsharded shape.
+
+    Example:
+        >>> adopt_sharded_parameters(optimizer, [model])
+    """
+    ids = {id(model) for model in models}
+    opt_state = getattr(optimizer, "state", {})
+    for group in getattr(optimizer, "param_groups", None) or []:
+        params = group.get("params", [])
+        for index, param in enumerate(params):
+            found = _replaced(param)
+            if found is None or id(found[0]) not in ids:
+                continue
+            if opt_state.get(param):
+                raise StaleParametersError(
+                    f"The optimizer {type(optimizer).__name__!r} already has state for "
+                    f"parameter {found[1]!r}, which strategy='fsdp' replaced with its shard: "
+                    f"that state has the unsharded shape. {_FIX} Load optimizer state after "
+                    "preparing (e.g. with `accel.load_state`)."
+                )
+            params[index] = found[0].get_parameter(found[1])
+
+
+def plain_norm(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as a plain tensor: a DTensor norm (FSDP2 gradients) becomes its value.
+
+    ``torch.nn.utils.clip_grad_norm_`` over DTensor gradients already reduces the norm over
+    every shard and returns it as a replicated DTensor; this gives the same value as a plain
+    tensor, equal on every rank. Must be called on every rank for a non-replicated DTensor.
+
+    Example:
+        >>> plain_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        tensor(0.8123)
+    """
+    if type(norm) is torch.Tensor:
+        return norm
+    full = getattr(norm, "full_tensor", None)
+    return norm if full is None else full()

@@ -1,0 +1,360 @@
+"""FSDP2: shard a model across the processes with ``torch.distributed.fsdp.fully_shard``.
+
+``prepare_model(model, strategy="fsdp")`` (or ``strategy="fsdp"`` from ``accel.distributed``,
+``accel launch --strategy fsdp`` or the config file) lands in :func:`shard_model`:
+``fully_shard`` is applied to every block chosen by ``shard_modules`` (bottom-up), then to the
+root, on a one-dimensional device mesh over all processes on the state's device type (CPU/gloo
+or CUDA/nccl). Nothing here shards by hand: the parameters become torch's DTensors and FSDP2
+all-gathers them around each block's forward and backward and reduce-scatters the gradients.
+
+Where things live:
+
+- the options: ``accel.state().options`` (``distributed(**options)``) merged with
+  ``prepare_model``'s ``**strategy_options`` (which win), checked by :func:`fsdp_options`;
+- the device mesh: ``scope().extras["accel.fsdp.mesh"]``, made once per scope and device type;
+- which parameters sharding replaced: marked on each replaced (old) parameter by
+  ``accel._fsdp_params`` (which also checks and remaps optimizers, at prepare time only).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch import nn
+
+from accel._fsdp_params import mark_replaced
+from accel._state import ProcessState, scope, state
+from accel.errors import ConfigError
+from accel.precision import autocast_dtype
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "FSDP_OPTIONS",
+    "FSDPOptions",
+    "default_shard_modules",
+    "fsdp_options",
+    "is_fsdp_module",
+    "mixed_precision_policy",
+    "shard_model",
+    "shard_targets",
+]
+
+FSDP_OPTIONS = ("shard_modules", "reshard_after_forward", "cpu_offload")
+"""The strategy options of ``strategy="fsdp"``."""
+
+_MESH = "accel.fsdp.mesh"
+_ONE_PROCESS_SAID = threading.Event()  # once per process: FSDP on one process runs unsharded
+_EXAMPLES = {
+    "shard_modules": "shard_modules=MyBlock",
+    "reshard_after_forward": "reshard_after_forward=False",
+    "cpu_offload": "cpu_offload=True",
+}
+
+ShardSpec = type[nn.Module] | str
+
+
+@attrs.frozen
+class FSDPOptions:
+    """The merged, checked FSDP options for one model.
+
+    ``shard_modules`` is ``None`` for the default choice (the blocks of the model's largest
+    ``nn.ModuleList``/``nn.Sequential``); ``given`` names the options that were set.
+    """
+
+    shard_modules: tuple[ShardSpec, ...] | None = None
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    given: tuple[str, ...] = ()
+
+
+def _check_shard_modules(value: object, origin: str) -> tuple[ShardSpec, ...] | None:
+    if value is None:
+        return None
+    items: list[object]
+    if isinstance(value, str | type):
+        items = [value]
+    elif isinstance(value, Iterable):
+        items = list(value)
+    else:
+        items = [value]
+    for item in items:
+        if isinstance(item, str) and item:
+            continue
+        if isinstance(item, type) and issubclass(item, nn.Module):
+            continue
+        raise ConfigError(
+            f"{origin}: FSDP option shard_modules={value!r} is invalid: {item!r} is neither an "
+            "nn.Module subclass nor a class name. Pass a class, its name, or a list of them, "
+            "e.g. `accel.prepare_model(model, strategy='fsdp', shard_modules=MyBlock)` or "
+            "`shard_modules=['MyBlock']`."
+        )
+    if not items:
+        raise ConfigError(
+            f"{origin}: FSDP option shard_modules={value!r} is empty. Name at least one block "
+            "class, e.g. `shard_modules=MyBlock`, or leave it out for the default (the blocks "
+            "of the model's largest nn.ModuleList/nn.Sequential)."
+        )
+    return tuple(items)  # type: ignore[arg-type]
+
+
+def _check_bool(key: str, value: object, origin: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(
+        f"{origin}: FSDP option {key}={value!r} is invalid; it must be True or False, e.g. "
+        f"`accel.prepare_model(model, strategy='fsdp', {_EXAMPLES[key]})`."
+    )
+
+
+def fsdp_options(run_options: Mapping[str, Any], given: Mapping[str, Any]) -> FSDPOptions:
+    """Merge the run's FSDP options with ``prepare_model``'s (which win) and check them.
+
+    Args:
+        run_options: ``accel.state().options`` (from ``distributed()``); keys that are not
+            FSDP options (DDP options, other run-wide options) are left alone.
+        given: ``prepare_model``'s ``**strategy_options``; every key must be an FSDP option.
+
+    Returns:
+        The checked options.
+
+    Raises:
+        ConfigError: an unknown key in ``given`` or an invalid value.
+
+    Example:
+        >>> fsdp_options({}, {"cpu_offload": True}).cpu_offload
+        True
+    """
+    for key in given:
+        if key not in FSDP_OPTIONS:
+            raise ConfigError(
+                f"accel.prepare_model: unknown FSDP option {key!r} (strategy='fsdp'); the "
+                f"known ones are {list(FSDP_OPTIONS)}. Remove or rename it, e.g. "
+                "`accel.prepare_model(model, strategy='fsdp', reshard_after_forward=False)`."
+            )
+    merged: dict[str, Any] = {}
+    for key in FSDP_OPTIONS:
+        if key in given:
+            merged[key] = (given[key], "accel.prepare_model")
+        elif key in run_options:
+            merged[key] = (run_options[key], "accel.distributed()")
+    values: dict[str, Any] = {}
+    if "shard_modules" in merged:
+        values["shard_modules"] = _check_shard_modules(*merged["shard_modules"])
+    for key in ("reshard_after_forward", "cpu_offload"):
+        if key in merged:
+            values[key] = _check_bool(key, *merged[key])
+    return FSDPOptions(**values, given=tuple(merged))
+
+
+def default_shard_modules(model: nn.Module) -> list[nn.Module]:
+    """The default blocks to shard: those of the model's largest ``ModuleList``/``Sequential``.
+
+    "Largest" counts parameters (the first one found wins a tie); blocks without parameters
+    are left to their parent. A model with no such container (or whose containers hold no
+    parameters) gives an empty list: the root alone is sharded.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+        >>> [type(m).__name__ for m in default_shard_modules(net)]
+        ['Linear', 'Linear']
+    """
+    best: nn.Module | None = None
+    best_size = 0
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList | nn.Sequential):
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = module, size
+    if best is None:
+        return []
+    return [child for child in best.children() if any(True for _ in child.parameters())]
+
+
+def _class_names(model: nn.Module) -> list[str]:
+    return sorted({type(module).__name__ for module in model.modules()})
+
+
+def shard_targets(model: nn.Module, shard_modules: tuple[ShardSpec, ...] | None) -> list[nn.Module]:
+    """The submodules to ``fully_shard`` before the root, children before their parents.
+
+    Args:
+        model: the root module (never in the result: it is sharded last, always).
+        shard_modules: classes or class names; ``None`` for :func:`default_shard_modules`.
+
+    Returns:
+        The matching submodules, deepest first.
+
+    Raises:
+        ConfigError: a class (or name) in ``shard_modules`` occurs nowhere in the model.
+
+    Example:
+        >>> shard_targets(net, (nn.Linear,))
+        [Linear(...), Linear(...)]
+    """
+    if shard_modules is None:
+        chosen = {id(module) for module in default_shard_modules(model)}
+    else:
+        present = list(model.modules())
+        for spec in shard_modules:
+            if isinstance(spec, str):
+                found = any(type(module).__name__ == spec for module in present)
+            else:
+                found = any(isinstance(module, spec) for module in present)
+            if not found:
+                shown = spec if isinstance(spec, str) else spec.__name__
+                raise ConfigError(
+                    f"FSDP option shard_modules names {shown!r}, which occurs nowhere in the "
+                    f"model ({type(model).__name__!r}). Module classes in the model: "
+                    f"{_class_names(model)}. Name one of them, e.g. "
+                    "`accel.prepare_model(model, strategy='fsdp', shard_modules=MyBlock)`."
+                )
+        classes = tuple(spec for spec in shard_modules if isinstance(spec, type))
+        names = {spec for spec in shard_modules if isinstance(spec, str)}
+        chosen = {
+            id(module)
+            for module in present
+            if isinstance(module, classes) or type(module).__name__ in names
+        }
+    chosen.discard(id(model))
+    # named_modules is pre-order: reversed, every module comes after its descendants.
+    return [module for module in reversed(list(model.modules())) if id(module) in chosen]
+
+
+def mixed_precision_policy(mixed_precision: str) -> Any:
+    """The ``MixedPrecisionPolicy`` for the state's policy, or ``None`` for ``"no"``.
+
+    bf16/fp16 (fp8: bf16) set ``param_dtype`` (the all-gathered parameters the forward and
+    backward use) and ``reduce_dtype`` (the gradient reduce-scatter); the sharded parameters
+    and their gradients stay in their own dtype (fp32 master weights). ``output_dtype`` is left
+    unset: the root's forward returns fp32 floats through ``prepare_model``'s autocast wrapper.
+
+    Example:
+        >>> mixed_precision_policy("bf16").param_dtype
+        torch.bfloat16
+    """
+    dtype = autocast_dtype(mixed_precision)
+    if dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+
+
+def is_fsdp_module(module: object) -> bool:
+    """Whether ``module`` was sharded with ``fully_shard`` (an ``FSDPModule``).
+
+    Example:
+        >>> is_fsdp_module(nn.Linear(2, 2))
+        False
+    """
+    return getattr(type(module), "set_requires_gradient_sync", None) is not None
+
+
+def _mesh(st: ProcessState) -> DeviceMesh:
+    extras = scope().extras
+    key = f"{_MESH}.{st.device.type}.{st.world_size}"
+    mesh: DeviceMesh | None = extras.get(key)
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(st.device.type, (st.world_size,))
+        extras[key] = mesh
+    return mesh
+
+
+def _upcast_trainable(model: nn.Module) -> None:
+    """Trainable low-precision floating parameters become fp32 (the master weights)."""
+    upcast = []
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
+            upcast.append(name)
+    if upcast and state().is_main_process:
+        from accel.gating import get_logger
+
+        get_logger(__name__, main_process_only=False).info(
+            "FSDP with mixed precision keeps fp32 master weights: %d trainable parameters were "
+            "upcast to fp32 (first: %s).", len(upcast), upcast[:5],
+        )
+
+
+def _note_one_process() -> None:
+    if _ONE_PROCESS_SAID.is_set():
+        return
+    _ONE_PROCESS_SAID.set()
+    from accel.gating import get_logger
+
+    get_logger(__name__, main_process_only=False).info(
+        "strategy='fsdp' with one process: the model is not sharded (there is nothing to shard "
+        "it across) and trains as a plain module; the same script shards it when launched "
+        "with several processes. Said once per process."
+    )
+
+
+def shard_model(
+    model: nn.Module,
+    options: FSDPOptions,
+    *,
+    evaluation_mode: bool = False,
+    device_placement: bool = True,
+) -> nn.Module:
+    """Shard ``model`` in place with ``fully_shard`` per ``options`` and return it.
+
+    On one process (or with ``evaluation_mode``) the options and ``shard_modules`` are still
+    checked, but the model is only moved to the state's device: one process has nothing to
+    shard across (an info note says so, once per process). With several processes, under
+    mixed precision trainable bf16/fp16 parameters are first upcast to fp32; then every
+    module of :func:`shard_targets` and finally the root get ``fully_shard`` on the mesh, with
+    ``reshard_after_forward``, ``CPUOffloadPolicy`` when ``cpu_offload`` and the
+    :func:`mixed_precision_policy`. ``fully_shard`` places the shards itself (on the state's
+    device, or the CPU with ``cpu_offload``).
+
+    Args:
+        model: the user's module (not yet sharded).
+        options: from :func:`fsdp_options`.
+        evaluation_mode: inference only: no sharding (as no DDP wrapper for ``"ddp"``).
+        device_placement: move the unsharded model to the state's device.
+
+    Returns:
+        ``model`` itself, now an ``FSDPModule`` of its own class when sharded.
+
+    Raises:
+        ConfigError: a ``shard_modules`` class that occurs nowhere in the model.
+
+    Example:
+        >>> model = shard_model(net, fsdp_options({}, {"shard_modules": "Block"}))
+    """
+    targets = shard_targets(model, options.shard_modules)
+    st = state()
+    if st.world_size == 1 or evaluation_mode or is_fsdp_module(model):
+        if st.world_size == 1 and not evaluation_mode:
+            _note_one_process()
+        return model.to(st.device) if device_placement else model
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    if st.mixed_precision != "no":
+        _upcast_trainable(model)
+    kwargs: dict[str, Any] = {
+        "mesh": _mesh(st),
+        "reshard_after_forward": options.reshard_after_forward,
+        "offload_policy": (
+            CPUOffloadPolicy(pin_memory=st.device.type == "cuda")
+            if options.cpu_offload else OffloadPolicy()
+        ),
+    }
+    policy = mixed_precision_policy(st.mixed_precision)
+    if policy is not None:
+        kwargs["mp_policy"] = policy
+    before = dict(model.named_parameters())
+    for module in targets:
+        if not is_fsdp_module(module):
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    mark_replaced(model, before)
+    return model
