@@ -183,7 +183,8 @@ def prepare_model(
     """
     if not isinstance(model, nn.Module):
         raise ArgumentTypeError(
-            f"prepare_model expects a torch.nn.Module, got {type(model).__name__!r}. "
+            f"prepare_model expects a torch.nn.Module, got {type(model).__name__} "
+            f"{model!r:.60}. "
             "Pass the model itself, e.g. `accel.prepare_model(model)`."
         )
     existing = _prepared_result(model)

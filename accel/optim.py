@@ -264,7 +264,7 @@ def prepare_optimizer(optimizer: Any, *, device_placement: bool = True) -> Prepa
             and callable(getattr(optimizer, "zero_grad", None))):
         raise ArgumentTypeError(
             f"prepare_optimizer expects a torch.optim.Optimizer, got "
-            f"{type(optimizer).__name__!r}. Pass the optimizer, e.g. "
+            f"{type(optimizer).__name__} {optimizer!r:.60}. Pass the optimizer, e.g. "
             "`accel.prepare_optimizer(torch.optim.AdamW(model.parameters()))`."
         )
     st = state()
@@ -580,7 +580,7 @@ def prepare_scheduler(
     if not callable(getattr(scheduler, "step", None)):
         raise ArgumentTypeError(
             f"prepare_scheduler expects a torch.optim.lr_scheduler.LRScheduler, got "
-            f"{type(scheduler).__name__!r}. Pass the scheduler, e.g. "
+            f"{type(scheduler).__name__} {scheduler!r:.60}. Pass the scheduler, e.g. "
             "`accel.prepare_scheduler(torch.optim.lr_scheduler.StepLR(optimizer, 10))`."
         )
     return PreparedScheduler(

@@ -85,7 +85,7 @@ def _check_objects(objects: dict[str, Any], op: str) -> None:
             )
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise CheckpointError(
-                f"accel.{op}({name}=...) got a {type(obj).__name__}, which has no "
+                f"accel.{op}({name}=...) got {type(obj).__name__} {obj!r:.60}, which has no "
                 "`state_dict()` / `load_state_dict()`. Pass models, optimizers, schedulers, "
                 "prepared data loaders, or objects that implement both methods."
             )
