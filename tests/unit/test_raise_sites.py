@@ -45,9 +45,6 @@ CLASS_ALLOWLIST: dict[tuple[str, str], str] = {
         "never raised: it carries a worker's formatted traceback as the __cause__ of the "
         "error run_distributed re-raises"
     ),
-    ("model.py", "StrategyNotImplementedError"): (
-        "kept where it is while the FSDP work (issue 10) removes its only use"
-    ),
 }
 
 
@@ -181,11 +178,16 @@ def test_no_raise_of_a_bare_builtin_exception() -> None:
     )
 
 
-def test_the_raise_allowlist_has_no_stale_entries() -> None:
+def test_the_allowlists_have_no_stale_entries() -> None:
     for relative, name in RAISE_ALLOWLIST:
         finder = _RaiseFinder()
         finder.visit(ast.parse((PACKAGE / relative).read_text(encoding="utf-8")))
         assert any(found == name for _, found, _ in finder.found), (relative, name)
+    for relative, name in CLASS_ALLOWLIST:
+        source = (PACKAGE / relative).read_text(encoding="utf-8")
+        assert (relative, name) in {
+            (relative, found) for _, found in _exception_classes(source, {"Exception"})
+        }
 
 
 def test_every_error_class_is_defined_in_errors_py() -> None:
