@@ -222,6 +222,19 @@ def _options_body() -> dict[str, Any]:
         model = accel.prepare_model(_net(), strategy="fsdp", **options)
         full = _two_steps(model, st.rank, st.world_size)
         result[label] = max((full[k] - plain[k]).abs().max().item() for k in plain)
+    # no_sync: local accumulation, then one synchronising backward = two synced backwards
+    (x1, _), (x2, _) = _batches(2, st.rank, st.world_size)
+    local, synced = (accel.prepare_model(_net(), strategy="fsdp") for _ in range(2))
+    with accel.no_sync(local):
+        local(x1).sum().backward()
+    result["no_sync_grads_none"] = all(p.grad is None for p in local.parameters())
+    local(x2).sum().backward()
+    synced(x1).sum().backward()
+    synced(x2).sum().backward()
+    result["no_sync_diff"] = max(
+        (a.grad.full_tensor() - b.grad.full_tensor()).abs().max().item()
+        for a, b in zip(local.parameters(), synced.parameters(), strict=True)
+    )
     with accel.distributed(mixed_precision="bf16"):
         net = _net()
         seen: list[torch.dtype] = []
@@ -241,11 +254,13 @@ def _options_body() -> dict[str, Any]:
     return result
 
 
-def test_options_and_mixed_precision_policy() -> None:
+def test_options_no_sync_and_mixed_precision_policy() -> None:
     for result in run_distributed(_options_body, world_size=2, timeout=180):
         assert result["no_reshard"] < 1e-6
         assert result["offload"] < 1e-6
         assert result["by_name"] < 1e-5
+        assert result["no_sync_grads_none"]
+        assert result["no_sync_diff"] < 1e-5
         bf16 = result["bf16"]
         assert bf16["inside_forward"] == [torch.bfloat16]  # MixedPrecisionPolicy applied
         assert bf16["output"] == torch.float32  # the autocast wrapper's fp32 outputs
