@@ -76,17 +76,15 @@ class Plan:
     """The facts every mode shares, fixed when the loader is prepared.
 
     Example:
-        >>> Plan(mode="shard", rank=0, world_size=2, batch_size=4, split_batches=False,
-        ...      drop_last=False, device=None, non_blocking=False).world_size
+        >>> Plan(mode="shard", world_size=2, batch_size=4, split_batches=False, device=None,
+        ...      non_blocking=False).world_size
         2
     """
 
     mode: Mode
-    rank: int
     world_size: int
     batch_size: int | None  # None: variable-size batches
     split_batches: bool
-    drop_last: bool
     device: torch.device | None  # None: no device placement
     non_blocking: bool
 

@@ -138,11 +138,9 @@ def prepare_data_loader(
     pin = bool(loader.pin_memory)
     plan = Plan(
         mode="dispatch" if dispatch_batches and world > 1 else ("stream" if iterable else "shard"),
-        rank=rank,
         world_size=world,
         batch_size=batch_size,
         split_batches=split_batches,
-        drop_last=bool(loader.drop_last),
         device=device,
         non_blocking=pin and device is not None and device.type == "cuda",
     )
