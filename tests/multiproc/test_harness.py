@@ -86,7 +86,7 @@ def test_a_rank_that_dies_silently_is_named() -> None:
 
 
 def test_bad_world_size() -> None:
-    with pytest.raises(ValueError, match="world_size=0"):
+    with pytest.raises(accel.ConfigError, match="world_size=0"):
         run_distributed(_rank_times, 1, world_size=0)
 
 

@@ -120,27 +120,29 @@ def test_nothing_fits() -> None:
 
 
 def test_misuse_is_a_clear_type_error() -> None:
-    with pytest.raises(TypeError, match="first argument, named `batch_size`"):
+    with pytest.raises(accel.ArgumentTypeError, match="first argument, named `batch_size`"):
 
         @accel.find_executable_batch_size
         def train(model: Any, batch_size: int) -> None: ...
 
-    with pytest.raises(TypeError, match="batch_size"):
+    with pytest.raises(accel.ArgumentTypeError, match="batch_size"):
         accel.find_executable_batch_size(lambda: None)
-    with pytest.raises(TypeError, match="batch_size"):
+    with pytest.raises(accel.ArgumentTypeError, match="batch_size"):
         accel.find_executable_batch_size(lambda *, batch_size: None)
 
     @accel.find_executable_batch_size(starting_batch_size=8)
     def fit(batch_size: int, model: str) -> str:
         return model
 
-    with pytest.raises(TypeError, match=r"passes it itself.*fit\(<the other arguments>\)"):
+    with pytest.raises(
+        accel.ArgumentTypeError, match=r"passes it itself.*fit\(<the other arguments>\)"
+    ):
         fit(8, "m")
-    with pytest.raises(TypeError, match="passes it itself"):
+    with pytest.raises(accel.ArgumentTypeError, match="passes it itself"):
         fit("m", batch_size=8)  # type: ignore[call-arg]
     assert fit("m") == "m"
 
-    with pytest.raises(TypeError, match="starting_batch_size=64"):
+    with pytest.raises(accel.ArgumentTypeError, match="starting_batch_size=64"):
         accel.find_executable_batch_size(64)  # type: ignore[call-overload]
     with pytest.raises(ConfigError, match="starting_batch_size=-1"):
         accel.find_executable_batch_size(starting_batch_size=-1)
