@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel._state import scope, state
+from accel.errors import ArgumentTypeError
 from accel.optim import active_scaler
 
 __all__ = ["accumulate", "backward", "no_sync", "sync_gradients", "trigger_sync_in_backward"]
@@ -49,6 +50,11 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
         >>> loss = loss_fn(model(x), y)
         >>> accel.backward(loss)
     """
+    if not isinstance(loss, torch.Tensor):
+        raise ArgumentTypeError(
+            f"accel.backward() takes the loss tensor, got {type(loss).__name__} {loss!r:.60}. "
+            "Pass the tensor the loss function returned, e.g. `accel.backward(loss)`."
+        )
     steps = state().gradient_accumulation_steps
     if steps > 1:
         loss = loss / steps
@@ -71,6 +77,14 @@ def sync_gradients() -> bool:
         ...     completed_steps += 1
     """
     return scope().sync_gradients
+
+
+def _require_module(op: str, model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise ArgumentTypeError(
+            f"accel.{op}() takes prepared models (torch.nn.Module), got "
+            f"{type(model).__name__} {model!r:.60}. Pass the model, e.g. `accel.{op}(model)`."
+        )
 
 
 def _ddp_no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any] | None:
@@ -175,6 +189,8 @@ def accumulate(*models: nn.Module) -> contextlib.AbstractContextManager[bool]:
         ...         scheduler.step()
         ...         optimizer.zero_grad()
     """
+    for model in models:
+        _require_module("accumulate", model)
     return _Accumulate(models)
 
 
@@ -196,6 +212,7 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         ...     accel.backward(loss_fn(model(x1), y1))  # local only
         >>> accel.backward(loss_fn(model(x2), y2))      # synchronises both
     """
+    _require_module("no_sync", model)
     context = _ddp_no_sync(model)
     return contextlib.nullcontext() if context is None else context
 
@@ -238,6 +255,7 @@ def trigger_sync_in_backward(model: nn.Module) -> contextlib.AbstractContextMana
         >>> with accel.trigger_sync_in_backward(model):
         ...     accel.backward(loss_b)                  # all-reduces the sum
     """
+    _require_module("trigger_sync_in_backward", model)
     if isinstance(model, DistributedDataParallel):
         return _ddp_trigger_sync(model)
     if getattr(type(model), "set_requires_gradient_sync", None) is not None:

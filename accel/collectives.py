@@ -170,6 +170,11 @@ def reduce(data: T, reduction: Reduction = "sum", scale: float = 1.0) -> T:
             f"reduction={reduction!r} is not supported; choose one of {list(_REDUCE_OPS)}, "
             "e.g. `accel.reduce(loss, 'mean')`."
         )
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise CollectiveTypeError(
+            f"accel.reduce(scale={scale!r:.40}) needs a number, e.g. "
+            "`accel.reduce(loss, 'sum', scale=0.5)`."
+        )
     _require_tensors("reduce", data, "Reduce tensors, e.g. `torch.tensor(value)`.")
     st = begin("reduce", data)
     if st is None:
@@ -402,6 +407,11 @@ def split_between_processes(inputs: T, *, apply_padding: bool = False) -> Iterat
         ['c']       # rank 1
     """
     _check_splittable(inputs)
+    if not isinstance(apply_padding, bool):
+        raise CollectiveTypeError(
+            f"accel.split_between_processes(apply_padding={apply_padding!r:.40}) must be True "
+            "or False, e.g. `accel.split_between_processes(items, apply_padding=True)`."
+        )
     st = state()
     if st.world_size == 1:
         yield inputs

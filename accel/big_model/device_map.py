@@ -46,7 +46,7 @@ from accel.big_model._model_walk import (
     tied_groups,
     walk_order,
 )
-from accel.errors import DeviceMapError
+from accel.errors import ArgumentTypeError, DeviceMapError
 
 __all__ = ["get_balanced_memory", "infer_auto_device_map"]
 
@@ -122,6 +122,19 @@ def parse_max_memory(max_memory: MaxMemory | None) -> dict[DeviceKey, int]:
     return {k: parsed[k] for k in [*gpus, "cpu", "disk"] if k in parsed}
 
 
+def require_module(model: object, op: str) -> None:
+    """Refuse a ``model`` that is not a ``torch.nn.Module`` (the big-model entry points).
+
+    Example:
+        >>> require_module(nn.Linear(2, 2), "accel.dispatch_model")
+    """
+    if not isinstance(model, nn.Module):
+        raise ArgumentTypeError(
+            f"{op}() takes a torch.nn.Module, got {type(model).__name__} {model!r:.60}. "
+            f"Pass the model, e.g. `{op}(model, ...)`."
+        )
+
+
 def infer_auto_device_map(
     model: nn.Module,
     *,
@@ -159,6 +172,7 @@ def infer_auto_device_map(
         ...     model, max_memory={"cpu": "1GB"}, no_split_module_classes=[Block])
         {'embed': 'cpu', 'blocks.0': 'cpu', 'blocks.1': 'disk', 'head': 'disk'}
     """
+    require_module(model, "accel.infer_auto_device_map")
     budgets = parse_max_memory(max_memory)
     no_split = class_names(no_split_module_classes)
     devices: list[DeviceKey] = [*budgets, *([] if "disk" in budgets else ["disk"])]
@@ -244,6 +258,7 @@ def get_balanced_memory(
         >>> accel.get_balanced_memory(model, max_memory={0: "8GiB", 1: "8GiB", "cpu": "32GiB"})
         {0: 2684354560, 1: 8589934592, 'cpu': 32000000000}
     """
+    require_module(model, "accel.get_balanced_memory")
     budgets = parse_max_memory(max_memory)
     gpus = [k for k, v in budgets.items() if isinstance(k, int) and v > 0]
     if not gpus:

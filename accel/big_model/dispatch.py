@@ -25,6 +25,7 @@ from accel.big_model._apply_map import (
     main_device,
 )
 from accel.big_model._explicit_map import check_device_map, normalize_device
+from accel.big_model.device_map import require_module
 from accel.big_model.hooks import DISK, DISPATCH_ATTR, Placement, preload_classes
 from accel.big_model.offload import TensorSource
 from accel.errors import DeviceMapError
@@ -74,6 +75,7 @@ def dispatch_model(
         ...                              offload_dir="offload")
         >>> model(tokens)  # layers read from disk, output on the input's device
     """
+    require_module(model, "accel.dispatch_model")
     return _dispatch_by_map(
         model,
         check_device_map(model, device_map),
@@ -200,6 +202,7 @@ def cpu_offload(
         >>> model = accel.cpu_offload(model, execution_device=0)
         >>> model(x)  # each layer's weights visit GPU 0 for its forward
     """
+    require_module(model, "accel.cpu_offload")
     device = _execution_device(model, execution_device)
     return apply_map(
         model,
@@ -243,6 +246,7 @@ def disk_offload(
         >>> model = accel.disk_offload(model, "offload")
         >>> model(x)  # weights read from offload/accel-offload.safetensors
     """
+    require_module(model, "accel.disk_offload")
     device = _execution_device(model, execution_device)
     checked_offload_dir(offload_dir, "disk_offload writes every weight to offload_dir")
     return apply_map(

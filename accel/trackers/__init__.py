@@ -351,6 +351,12 @@ def tracking(
         ...         loss = train_step(batch)
         ...         accel.log({"loss": loss}, step=step)
     """
+    if not isinstance(project_dir, str | os.PathLike):
+        raise ConfigError(
+            f"accel.tracking() takes the project directory as a path, got "
+            f"{type(project_dir).__name__} {project_dir!r:.60}. Pass e.g. "
+            "`accel.tracking('runs')`."
+        )
     entries = _resolve(log_with)  # every rank validates the arguments
     run_name = _check_run_name(run_name)
     settings = _plain_config(config)

@@ -298,6 +298,10 @@ CASES = [
          ("prepared optimizer",)),
     Case("clip_grad_norm", _in_block(lambda: accel.clip_grad_norm_(42, 1.0)), TypeError,
          ("42",)),
+    Case("backward", _in_block(lambda: accel.backward(0.5)), TypeError, ("0.5",)),
+    Case("accumulate", _in_block(lambda: _enter(accel.accumulate("model"))), TypeError,
+         ("'model'",)),
+    Case("no_sync", _in_block(lambda: _enter(accel.no_sync(42))), TypeError, ("42",)),
     Case("set_seed", _plain(lambda: accel.set_seed("abc")), ValueError, ("'abc'",)),
     # collectives
     Case("reduce_reduction", _in_block(lambda: accel.reduce(torch.ones(1), "avg")),
@@ -316,6 +320,11 @@ CASES = [
     Case("split_int", _in_block(_split(42)), TypeError, ("42",)),
     Case("split_str", _in_block(_split("abc")), TypeError, ("'abc'",)),
     Case("split_scalar_tensor", _in_block(_split(torch.tensor(3))), TypeError, ("tensor(3)",)),
+    Case("split_apply_padding", _in_block(lambda: _enter(
+        accel.split_between_processes([1, 2], apply_padding="yes")
+    )), TypeError, ("'yes'",)),
+    Case("reduce_scale", _in_block(lambda: accel.reduce(torch.ones(1), "sum", scale="half")),
+         TypeError, ("'half'",)),
     Case("gather_str", _in_block(lambda: accel.gather("abc")), TypeError, ("'abc'",)),
     Case("pad_dim", _in_block(
         lambda: accel.pad_across_processes(torch.ones(2), dim="x")
@@ -331,6 +340,8 @@ CASES = [
          ValueError, ("'LOUD'",)),
     # trackers
     Case("tracker_name", _tracking(log_with="nope"), ValueError, ("'nope'",)),
+    Case("tracking_project_dir", _plain(lambda: _enter(accel.tracking(42))), ValueError,
+         ("42",)),
     Case("tracker_entry", _tracking(log_with=["jsonl", 42]), ValueError, ("42",)),
     Case("run_name", _tracking(run_name=".."), ValueError, ("'..'",)),
     Case("tracking_config", _tracking(config=42), ValueError, ("42",)),
@@ -395,6 +406,11 @@ CASES = [
     ), ValueError, ("world_size=0",)),
     Case("init_on_device", _plain(lambda: _enter(accel.init_on_device("nodevice"))),
          ValueError, ("'nodevice'",)),
+    Case("infer_auto_device_map", _plain(lambda: accel.infer_auto_device_map("gpt2")),
+         TypeError, ("'gpt2'",)),
+    Case("cpu_offload", _plain(lambda: accel.cpu_offload(42)), TypeError, ("42",)),
+    Case("dispatch_model", _plain(lambda: accel.dispatch_model(42, {"": "cpu"})), TypeError,
+         ("42",)),
     Case("max_memory_key", _plain(
         lambda: accel.infer_auto_device_map(nn.Linear(2, 2), max_memory={"gpu0": 10})
     ), ValueError, ("'gpu0'",)),
