@@ -199,7 +199,10 @@ def write_files(
         if errors:
             raise errors[0]
         if stop.is_set():
-            raise CheckpointCancelledError("the checkpoint write was cancelled")
+            raise CheckpointCancelledError(
+                f"The checkpoint write of {len(opened)} file(s) was cancelled before it "
+                "finished; nothing was made visible. Save again to write a checkpoint."
+            )
         return [file.record for file in opened if file.record is not None]
     finally:
         for file in opened:
