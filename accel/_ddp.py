@@ -8,7 +8,9 @@ hook with its wrapper and state (:data:`HOOK_OPTIONS`). They come from
 world size (a bad value is the same error on 1 and N processes) and used only where a DDP
 wrapper is made; elsewhere they are ignored, said once per process at debug level.
 
-Importing this module does not import torch (the config file reader uses its checks).
+The option names, kinds and choices the config file can hold are defined with every other
+setting in :mod:`accel._settings`; this module adds what only code can pass (a callable hook,
+a state object). Importing it does not import torch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from accel._settings import (
+    COMM_HOOKS,
+    COMM_WRAPPERS,
+    DDP_CONFIG_KEYS,
+    DDP_KEYWORDS,
+    POWER_SGD_OPTIONS,
+    SETTINGS,
+    check_power_sgd_options,
+)
 from accel.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -46,34 +57,16 @@ __all__ = [
     "register_comm_hook",
 ]
 
-DDP_OPTIONS = (
-    "find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb",
-    "broadcast_buffers",
-)
+DDP_OPTIONS = DDP_KEYWORDS
 """Keywords passed to ``DistributedDataParallel`` as given."""
 HOOK_OPTIONS = ("comm_hook", "comm_wrapper", "comm_state_option", "comm_state")
 """The communication hook, the wrapper around it and its state."""
 KNOWN_OPTIONS = DDP_OPTIONS + HOOK_OPTIONS
-CONFIG_OPTIONS = (*DDP_OPTIONS, "comm_hook", "comm_wrapper", "comm_state_option")
-"""The options a config file can hold (a callable hook or a state object cannot)."""
-COMM_HOOKS = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")
-COMM_WRAPPERS = ("no", "fp16", "bf16")
-POWER_SGD_OPTIONS: Mapping[str, tuple[type, int]] = {
-    "matrix_approximation_rank": (int, 1),
-    "start_powerSGD_iter": (int, 0),
-    "min_compression_rate": (float, 0),
-    "use_error_feedback": (bool, 0),
-    "warm_start": (bool, 0),
-    "orthogonalization_epsilon": (float, 0),
-    "random_seed": (int, 0),
-    "compression_stats_logging_frequency": (int, 1),
-    "batch_tensors_with_same_shape": (bool, 0),
-}
-"""``comm_state_option`` keys (``PowerSGDState``'s arguments after ``process_group``): type
-and minimum."""
+CONFIG_OPTIONS = DDP_CONFIG_KEYS
+"""The options a config file can hold (a callable hook or a state object cannot); their keys,
+kinds and choices are defined in :data:`accel._settings.SETTINGS`."""
 
-_BOOLS = ("find_unused_parameters", "static_graph", "gradient_as_bucket_view",
-          "broadcast_buffers")
+_BOOLS = tuple(key for key in DDP_KEYWORDS if SETTINGS[key].kind == "bool")
 _EXAMPLES = {
     "find_unused_parameters": "find_unused_parameters=True",
     "static_graph": "static_graph=True",
@@ -93,55 +86,6 @@ def _invalid(key: str, value: object, expected: str, origin: str) -> ConfigError
         f"{origin}: DDP option {key}={value!r} is invalid; it must be {expected}, "
         f"e.g. `accel.prepare_model(model, {_EXAMPLES[key]})`."
     )
-
-
-def _check_state_options(value: object, origin: str) -> dict[str, Any]:
-    expected = (
-        "a dict of PowerSGD options (keys among "
-        f"{sorted(POWER_SGD_OPTIONS)})"
-    )
-    if not isinstance(value, Mapping):
-        raise _invalid("comm_state_option", value, expected, origin)
-    out: dict[str, Any] = {}
-    for name, item in value.items():
-        spec = POWER_SGD_OPTIONS.get(name) if isinstance(name, str) else None
-        if spec is None:
-            close = difflib.get_close_matches(str(name), POWER_SGD_OPTIONS, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"{origin}: comm_state_option has the unknown PowerSGD option {name!r}{hint}; "
-                f"the known ones are {sorted(POWER_SGD_OPTIONS)}, e.g. "
-                "`comm_state_option={'matrix_approximation_rank': 2}`."
-            )
-        kind, minimum = spec
-        ok = isinstance(item, bool) if kind is bool else (
-            isinstance(item, (int, float) if kind is float else int)
-            and not isinstance(item, bool)
-            and math.isfinite(item)
-            and item >= minimum
-        )
-        if not ok:
-            noun = {bool: "True or False", int: f"a whole number >= {minimum}",
-                    float: f"a number >= {minimum}"}[kind]
-            raise ConfigError(
-                f"{origin}: comm_state_option[{name!r}]={item!r} is invalid; it must be {noun}, "
-                f"e.g. `comm_state_option={{{name!r}: {_state_example(kind)}}}`."
-            )
-        out[name] = item
-    if out.get("start_powerSGD_iter", 1000) <= 1 and (
-        out.get("use_error_feedback", True) or out.get("warm_start", True)
-    ):
-        raise ConfigError(
-            f"{origin}: comm_state_option['start_powerSGD_iter']={out['start_powerSGD_iter']!r} "
-            "must be > 1 while use_error_feedback or warm_start is on (PowerSGD starts after "
-            "DDP's first two iterations). Use e.g. `{'start_powerSGD_iter': 2}`, or turn "
-            "both off: `{'use_error_feedback': False, 'warm_start': False}`."
-        )
-    return out
-
-
-def _state_example(kind: type) -> str:
-    return {bool: "True", int: "2", float: "2.0"}[kind]
 
 
 def check_option(key: str, value: object, origin: str = "accel.prepare_model") -> Any:
@@ -193,7 +137,7 @@ def check_option(key: str, value: object, origin: str = "accel.prepare_model") -
             expected += " or a callable `hook(state, bucket) -> torch.futures.Future`"
         raise _invalid(key, value, expected, origin)
     if key == "comm_state_option":
-        return {} if value is None else _check_state_options(value, origin)
+        return {} if value is None else check_power_sgd_options(value, origin)
     return value  # comm_state: any object, handed to the hook
 
 

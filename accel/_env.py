@@ -31,6 +31,7 @@ from typing import Literal
 
 import attrs
 
+from accel._settings import DEFAULT_PORT, ENV_PREFIX, POLICY_KEYS, env_variable, validate_setting
 from accel.errors import ConfigError
 
 __all__ = [
@@ -46,14 +47,6 @@ __all__ = [
 
 Launcher = Literal["torchrun", "slurm", "mpi", "none"]
 
-ENV_PREFIX = "ACCEL_"
-"""Prefix of the variables through which ``accel launch`` passes options to the workers."""
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off", ""})
-DEFAULT_PORT = 29500
-"""The SLURM/MPI rendezvous port when ``MASTER_PORT`` is not set and no job id is known."""
-
 DERIVED_PORT_RANGE = (20000, 32767)
 """The inclusive range of rendezvous ports derived from a SLURM or MPI job id."""
 
@@ -65,7 +58,9 @@ _SCHEDULER_JOB_IDS = ("PBS_JOBID", "LSB_JOBID")
 class LaunchEnv:
     """What the launcher told this process: its place in the job and accel's options.
 
-    Option fields are ``None`` when the environment does not set them.
+    Option fields (one per policy key of :data:`accel._settings.SETTINGS`, read from
+    ``ACCEL_<KEY>`` and checked as in the config file) are ``None`` when the environment does
+    not set them.
     """
 
     launcher: Launcher = "none"
@@ -101,32 +96,17 @@ def _int(env: Mapping[str, str], name: str) -> int | None:
         ) from None
 
 
-def _float(env: Mapping[str, str], name: str) -> float | None:
+def _setting(env: Mapping[str, str], key: str) -> object:
+    """The policy setting ``key`` from ``ACCEL_<KEY>``, checked and typed; ``None`` if unset.
+
+    A blank variable counts as unset. Kinds, choices, ranges and boolean spellings are those
+    of :data:`accel._settings.SETTINGS`, as in the config file.
+    """
+    name = env_variable(key)
     raw = env.get(name)
     if raw is None or raw.strip() == "":
         return None
-    try:
-        return float(raw.strip())
-    except ValueError:
-        raise ConfigError(
-            f"Environment variable {name}={raw!r} is not a number of seconds. "
-            f"Unset it or give a number, e.g. `{name}=1800`."
-        ) from None
-
-
-def _bool(env: Mapping[str, str], name: str) -> bool | None:
-    raw = env.get(name)
-    if raw is None:
-        return None
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(
-        f"Environment variable {name}={raw!r} is not a boolean. "
-        f"Use one of {sorted(_TRUE | _FALSE - {''})}, e.g. `{name}=1`."
-    )
+    return validate_setting(key, raw, name, variable=name)
 
 
 def _str(env: Mapping[str, str], name: str) -> str | None:
@@ -331,17 +311,10 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
     placement = _from_torchrun(env) or _from_slurm(env) or _from_mpi(env) or {}
-    p = ENV_PREFIX
+    options = {key: _setting(env, key) for key in POLICY_KEYS}
     launch = LaunchEnv(
-        mixed_precision=_str(env, p + "MIXED_PRECISION"),
-        gradient_accumulation_steps=_int(env, p + "GRADIENT_ACCUMULATION_STEPS"),
-        strategy=_str(env, p + "STRATEGY"),
-        backend=_str(env, p + "BACKEND"),
-        cpu=_bool(env, p + "CPU"),
-        debug=_bool(env, p + "DEBUG"),
-        timeout=_float(env, p + "TIMEOUT"),
-        on_each_node=_bool(env, p + "ON_EACH_NODE"),
-        config_file=_str(env, p + "CONFIG_FILE"),
+        config_file=_str(env, ENV_PREFIX + "CONFIG_FILE"),
+        **options,  # type: ignore[arg-type]
         **placement,  # type: ignore[arg-type]
     )
     _check_placement(launch)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import gc
+import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,7 +14,9 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from accel._config_file import load_config
 from accel._env import LaunchEnv, read_launch_env
+from accel._settings import BACKENDS, DDP_CONFIG_KEYS, DEFAULT_PORT, FP8_NOTE, POLICY_KEYS
 from accel._state import (
     ProcessState,
     Scope,
@@ -29,7 +33,7 @@ from accel.preemption import stop_watch_scope
 
 __all__ = ["distributed"]
 
-_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
+_FP8_SAID = threading.Event()  # once per process: fp8 runs as bf16
 
 
 def _as_seconds(timeout: float | datetime.timedelta | None) -> float | None:
@@ -40,10 +44,10 @@ def _as_seconds(timeout: float | datetime.timedelta | None) -> float | None:
 
 def _pick_backend(requested: str | None, device: torch.device) -> str:
     backend = requested or ("nccl" if device.type == "cuda" else "gloo")
-    if backend not in _BACKENDS:
+    if backend not in BACKENDS:
         raise ConfigError(
             f"backend={backend!r} is not a torch.distributed backend; choose one of "
-            f"{list(_BACKENDS)}, e.g. `accel.distributed(backend='gloo')` for CPU."
+            f"{list(BACKENDS)}, e.g. `accel.distributed(backend='gloo')` for CPU."
         )
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError(
@@ -60,7 +64,7 @@ def _init_group(env: LaunchEnv, backend: str, timeout_s: float) -> None:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
         return
     addr = env.master_addr or "127.0.0.1"
-    port = env.master_port or 29500
+    port = env.master_port or DEFAULT_PORT
     dist.init_process_group(
         backend,
         init_method=f"tcp://{addr}:{port}",
@@ -88,6 +92,7 @@ def _nested(
             )
     merged = {k: v if v is not None else getattr(current, k) for k, v in changes.items()}
     policy = resolve_policy(LaunchEnv(), world_size=current.world_size, **merged)
+    _note_fp8(policy["mixed_precision"])
     each = current.on_each_node if on_each_node is None else on_each_node
     return attrs.evolve(
         current, **policy, on_each_node=each, options={**current.options, **options}
@@ -109,10 +114,10 @@ def _check_backend_and_cpu(backend: object, cpu: object) -> None:
         raise ConfigError(
             f"cpu={cpu!r} must be True or False, e.g. `accel.distributed(cpu=True)`."
         )
-    if backend is not None and backend not in _BACKENDS:
+    if backend is not None and backend not in BACKENDS:
         raise ConfigError(
             f"backend={backend!r} is not a torch.distributed backend; choose one of "
-            f"{list(_BACKENDS)}, e.g. `accel.distributed(backend='gloo')` for CPU."
+            f"{list(BACKENDS)}, e.g. `accel.distributed(backend='gloo')` for CPU."
         )
 
 
@@ -138,12 +143,13 @@ def distributed(
     group it created: after a barrier on a clean exit, and at once, with no collective, when an
     exception leaves the block (the failing rank exits promptly, so its launcher stops the job
     instead of every rank waiting for the collective timeout). Options not passed come from the
-    ``ACCEL_*`` environment, then defaults. Nested inside an active block, it reuses the group
-    and scopes the changed options.
+    ``ACCEL_*`` environment, then the config file, then defaults. Nested inside an active
+    block, it reuses the group and scopes the changed options.
 
     Args:
         backend: torch.distributed backend; default nccl on CUDA, gloo on CPU.
-        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (which runs as bf16
+            autocast for now: a warning says so, once per process).
         gradient_accumulation_steps: optimizer steps happen every this many batches.
         strategy: ``"none"``, ``"ddp"`` or ``"fsdp"``; default ddp with several processes.
         cpu: run on the CPU even when CUDA is available.
@@ -211,6 +217,7 @@ def distributed(
                 )
             group_backend = _pick_backend(backend or env.backend, device)
     policy = resolve_policy(env, world_size=world, **changes)
+    _note_fp8(policy["mixed_precision"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if group_backend is not None and not dist.is_initialized():
@@ -244,10 +251,12 @@ def distributed(
         _teardown()
 
 
-_CONFIG_KEYS = (
-    "mixed_precision", "gradient_accumulation_steps", "strategy", "backend", "cpu", "debug",
-    "timeout", "on_each_node",
-)
+def _note_fp8(mixed_precision: str) -> None:
+    """Warn once per process that ``fp8`` runs as bf16 autocast (no fp8 backend yet)."""
+    if mixed_precision == "fp8" and not _FP8_SAID.is_set():
+        _FP8_SAID.set()
+        # stack: _note_fp8 < distributed (generator) < contextlib's __enter__ < the caller
+        warnings.warn(FP8_NOTE, UserWarning, stacklevel=4)
 
 
 def _with_config_file(env: LaunchEnv) -> tuple[LaunchEnv, dict[str, Any]]:
@@ -256,16 +265,13 @@ def _with_config_file(env: LaunchEnv) -> tuple[LaunchEnv, dict[str, Any]]:
     Also returns the file's DDP options (``find_unused_parameters``, ``comm_hook``...), which
     join ``accel.state().options`` under those passed to ``distributed()``.
     """
-    from accel._ddp import CONFIG_OPTIONS
-    from accel.launch.config import load_config
-
     config = load_config(env.config_file)
     missing: dict[str, Any] = {
         key: config[key]
-        for key in _CONFIG_KEYS
+        for key in POLICY_KEYS
         if key in config and getattr(env, key) is None
     }
-    file_options = {key: config[key] for key in CONFIG_OPTIONS if key in config}
+    file_options = {key: config[key] for key in DDP_CONFIG_KEYS if key in config}
     return (attrs.evolve(env, **missing) if missing else env), file_options
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from accel._env import environ_snapshot
+from accel._settings import BACKENDS, FP8_NOTE, cpu_count
 from accel.launch.config import Resolved
 
 __all__ = ["collect_env_info", "format_env_info", "relevant_variables"]
@@ -62,32 +63,29 @@ def collect_env_info(
     """
     import torch
 
-    import accel
+    from accel import __version__
 
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
+    mixed_precision = settings["mixed_precision"].value if "mixed_precision" in settings else None
     return {
-        "accel": accel.__version__,
+        "accel": __version__,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "python": f"{platform.python_version()} ({platform.python_implementation()}, "
                   f"{sys.executable})",
         "os": platform.platform(),
-        "cpus": cpus,
+        "cpus": cpu_count(),
         "gpus": _gpus(),
         "distributed_backends": [
-            name for name in ("gloo", "nccl", "mpi", "ucc")
+            name for name in BACKENDS
             if torch.distributed.is_available()
-            and getattr(torch.distributed, f"is_{name}_available")()
+            and getattr(torch.distributed, f"is_{name}_available", lambda: False)()
         ],
         "config_file": {"path": str(config_file), "chosen_by": config_reason,
                         "exists": config_file.is_file()},
         "settings": {key: {"value": item.value, "source": item.source}
                      for key, item in settings.items()},
-        # shown for bug reports: `accel env` reads its own environment here
-        "environment": relevant_variables(os.environ),
+        "environment": relevant_variables(environ_snapshot()),
+        "notes": [FP8_NOTE] if mixed_precision == "fp8" else [],
     }
 
 
@@ -122,4 +120,5 @@ def format_env_info(info: Mapping[str, Any]) -> str:
     variables = info["environment"] or {"(none set)": ""}
     lines += [f"    {name}={value}" if value else f"    {name}"
               for name, value in variables.items()]
+    lines += [f"- note: {note}" for note in info.get("notes", ())]
     return "\n".join(lines)

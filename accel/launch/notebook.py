@@ -17,20 +17,25 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from accel._env import ENV_PREFIX, read_launch_env
+from accel._env import environ_snapshot, read_launch_env, read_variable
+from accel._settings import (
+    DEFAULT_CPU_PROCESSES,
+    DEFAULT_PORT,
+    MIXED_PRECISION_MODES,
+    cpu_count,
+    env_variable,
+)
 from accel.errors import ConfigError
 from accel.errors import LaunchError as LaunchError
+from accel.launch.failures import describe_failure, is_peer_loss
 
 __all__ = ["LaunchError", "debug_launcher", "notebook_launcher"]
-
-_MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
-
 
 def _attempt() -> int:
     """Which attempt of the job this worker belongs to (0, then 1 after a restart, ...)."""
     # the elastic agent numbers the attempts for its workers in this variable
     try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return int(read_variable("TORCHELASTIC_RESTART_COUNT") or "0")
     except ValueError:
         return 0
 
@@ -48,7 +53,7 @@ def _run_in_worker(
     """
     os.environ.update(env)  # the worker's own environment, read by accel.distributed()
     attempt = _attempt()
-    rank = os.environ.get("RANK", "0")
+    rank = read_variable("RANK") or "0"
     try:
         open(os.path.join(reports, f"started-{attempt}"), "a").close()
     except OSError:
@@ -97,8 +102,6 @@ def _first_report(reports: str, noticed: set[int]) -> dict[str, Any] | None:
     causes = [r for r in current if not r["stopped"]]
     if not causes:
         return None
-    from accel.launch.run import is_peer_loss
-
     first: dict[str, Any] = min(
         causes, key=lambda r: (is_peer_loss(str(r["traceback"])), float(r["time"]))
     )
@@ -146,13 +149,9 @@ def _count(name: str, value: int, minimum: int) -> int:
 
 def _cpu_threads(nproc: int) -> dict[str, str]:
     # the launcher decides the worker's thread count unless the user chose one
-    if "OMP_NUM_THREADS" in os.environ:
+    if read_variable("OMP_NUM_THREADS") is not None:
         return {}
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    return {"OMP_NUM_THREADS": str(max(1, cpus // nproc))}
+    return {"OMP_NUM_THREADS": str(max(1, cpu_count() // nproc))}
 
 
 def _launch(
@@ -171,15 +170,13 @@ def _launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from accel.launch.run import describe_failure
-
     if num_nodes == 1 and master_port is None:
         # c10d rendezvous on port 0: the OS picks a free port, so launches never collide
         rdzv: dict[str, Any] = {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0",
                                 "run_id": str(uuid.uuid4())}
     else:
         rdzv = {"rdzv_backend": "static",
-                "rdzv_endpoint": f"{master_addr}:{master_port or 29500}",
+                "rdzv_endpoint": f"{master_addr}:{master_port or DEFAULT_PORT}",
                 "rdzv_configs": {"rank": node_rank}, "run_id": "accel-notebook"}
     config = LaunchConfig(min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nproc,
                           max_restarts=max_restarts, start_method="fork", **rdzv)
@@ -188,7 +185,8 @@ def _launch(
     # and with restarts the c10d store must not be shared (see accel.launch.run): the
     # caller's values are put back afterwards.
     names = ("TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    saved = {name: os.environ.get(name) for name in names}
+    before = environ_snapshot()
+    saved = {name: before.get(name) for name in names}
     if max_restarts > 0 and rdzv["rdzv_backend"] == "c10d":
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     what = f"{name}({getattr(function, '__name__', 'function')})"
@@ -240,7 +238,7 @@ def notebook_launcher(
         function: the training function; runs on every process.
         args: positional arguments for it.
         num_processes: processes on this machine (default: one per GPU, else 2 on CPU).
-        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (runs as bf16 for now).
         num_nodes: machines in the job (run the same cell on each).
         node_rank: rank of this machine.
         master_addr: address of machine 0 (several machines).
@@ -269,22 +267,22 @@ def notebook_launcher(
             f"node_rank={node_rank!r} must be in 0..{num_nodes - 1} for num_nodes={num_nodes}."
         )
     precision = str(mixed_precision).lower()
-    if precision not in _MIXED_PRECISION:
+    if precision not in MIXED_PRECISION_MODES:
         raise ConfigError(
             f"mixed_precision={mixed_precision!r} is not supported; choose one of "
-            f"{list(_MIXED_PRECISION)}, e.g. `notebook_launcher(fn, mixed_precision='bf16')`."
+            f"{list(MIXED_PRECISION_MODES)}, e.g. `notebook_launcher(fn, mixed_precision='bf16')`."
         )
     _refuse_unsafe_parent("notebook_launcher")
     if num_processes is None:
         import torch
 
         # device_count() asks NVML first, which (unlike is_available()) leaves fork usable
-        num_processes = torch.cuda.device_count() or 2
+        num_processes = torch.cuda.device_count() or DEFAULT_CPU_PROCESSES
     _count("num_processes", num_processes, 1)
     return _launch(function, args, nproc=num_processes, num_nodes=num_nodes,
                    node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                    max_restarts=max_restarts,
-                   env={ENV_PREFIX + "MIXED_PRECISION": precision}, name="notebook_launcher")
+                   env={env_variable("mixed_precision"): precision}, name="notebook_launcher")
 
 
 def debug_launcher(
@@ -312,7 +310,7 @@ def debug_launcher(
     """
     _count("num_processes", num_processes, 1)
     _refuse_unsafe_parent("debug_launcher", cuda_matters=False)  # CPU workers only
-    env = {ENV_PREFIX + "CPU": "1", ENV_PREFIX + "BACKEND": "gloo"}
+    env = {env_variable("cpu"): "1", env_variable("backend"): "gloo"}
     return _launch(function, args, nproc=num_processes, num_nodes=1, node_rank=0,
                    master_addr="127.0.0.1", master_port=None, max_restarts=0, env=env,
                    name="debug_launcher")

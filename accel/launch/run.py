@@ -15,40 +15,43 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
-from accel._env import ENV_PREFIX, LaunchEnv, read_launch_env
+from accel._config_file import config_path, load_config
+from accel._env import ENV_PREFIX, LaunchEnv, read_launch_env, read_variable
+from accel._settings import (
+    DEFAULT_CPU_PROCESSES,
+    DEFAULT_PORT,
+    MIXED_PRECISION_MODES,
+    POLICY_KEYS,
+    STRATEGIES,
+    cpu_count,
+    env_variable,
+)
 from accel.errors import ConfigError
-from accel.launch.config import Resolved, config_path, load_config, resolve_settings
-
-if TYPE_CHECKING:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from accel.launch.config import Resolved, resolve_settings
+from accel.launch.failures import describe_failure, is_peer_loss
 
 __all__ = [
     "LaunchPlan",
     "add_launch_options",
     "command_line_settings",
     "describe_failure",
+    "is_peer_loss",
     "launch",
     "plan_launch",
     "run_plan",
 ]
 
 WORKER_MODULE = "accel.launch.worker"
-DEFAULT_MULTI_NODE_PORT = 29500
-CPU_DEFAULT_PROCESSES = 2
+DEFAULT_MULTI_NODE_PORT = DEFAULT_PORT
+CPU_DEFAULT_PROCESSES = DEFAULT_CPU_PROCESSES
 DEFAULT_STOP_GRACE_S = 60.0
-
-# settings that reach accel.distributed() in the workers, and their variables
-_EXPORTED = ("mixed_precision", "gradient_accumulation_steps", "strategy", "backend", "cpu",
-             "debug", "timeout")
-
 
 def add_launch_options(parser: argparse.ArgumentParser) -> None:
     """Add the launch options (torchrun's and Accelerate's spellings) to ``parser``.
@@ -100,10 +103,10 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
                        help="accepted for Accelerate compatibility (implied)")
     policy = parser.add_argument_group("training options (reach accel.distributed())")
     policy.add_argument("--mixed-precision", "--mixed_precision", metavar="MODE",
-                        help="no, fp16, bf16 or fp8")
+                        help=f"{', '.join(MIXED_PRECISION_MODES)} (fp8 runs as bf16 for now)")
     policy.add_argument("--gradient-accumulation-steps", "--gradient_accumulation_steps",
                         type=int, metavar="K", help="batches per optimizer step")
-    policy.add_argument("--strategy", metavar="S", help="none, ddp or fsdp")
+    policy.add_argument("--strategy", metavar="S", help=", ".join(STRATEGIES))
     policy.add_argument("--use-fsdp", "--use_fsdp", action="store_true",
                         help="same as --strategy fsdp (Accelerate's spelling)")
     policy.add_argument("--backend", metavar="B", help="gloo, nccl, ... (default: by device)")
@@ -274,11 +277,11 @@ def plan_launch(
         target = ["-m", ns.script] if ns.module else [ns.script]
         args += ["--module", WORKER_MODULE, *target, *ns.script_args]
     worker_env: dict[str, str] = {}
-    for key in _EXPORTED:
+    for key in POLICY_KEYS:  # the settings accel.distributed() reads in the workers
         if settings[key].source != "default":
-            worker_env[ENV_PREFIX + key.upper()] = _env_text(settings[key].value)
+            worker_env[env_variable(key)] = _env_text(settings[key].value)
     if cpu:
-        worker_env[ENV_PREFIX + "CPU"] = "1"
+        worker_env[env_variable("cpu")] = "1"
     if config_file is not None:
         worker_env[ENV_PREFIX + "CONFIG_FILE"] = str(config_file.resolve())
     if dynamic and int(str(value["max_restarts"])) > 0:
@@ -306,13 +309,6 @@ def _stop_args(grace: float | None) -> list[str]:
             "--shutdown-timeout", str(math.ceil(grace))]
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def _gpu_count() -> int:
     import torch
 
@@ -336,112 +332,10 @@ def make_plan(ns: argparse.Namespace) -> LaunchPlan:
         file_settings=file_settings,
         config_file=path if exists else None,
         gpu_count=_gpu_count,
-        cpu_count=_cpu_count(),
-        # the launcher reads its own environment here: whether the user chose a thread count
-        omp_num_threads_set="OMP_NUM_THREADS" in os.environ,
+        cpu_count=cpu_count(),
+        # whether the user chose a thread count for the workers
+        omp_num_threads_set=read_variable("OMP_NUM_THREADS") is not None,
     )
-
-
-def _signal_text(code: int) -> str:
-    try:
-        return f"killed by signal {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
-
-
-def _traceback_of(message: object) -> str | None:
-    if isinstance(message, dict):
-        extra = message.get("extraInfo")
-        if isinstance(extra, dict) and isinstance(extra.get("py_callstack"), str):
-            return str(extra["py_callstack"])
-        text = message.get("message")
-        return str(text) if text else None
-    return None
-
-
-def _precise_time(message: object) -> float | None:
-    if isinstance(message, dict) and isinstance(message.get("extraInfo"), dict):
-        try:
-            return float(message["extraInfo"]["accel_time"])
-        except (KeyError, TypeError, ValueError):
-            return None
-    return None
-
-
-# the end of a traceback raised because another rank died first (not a root cause)
-_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-              "remote worker", "DistBackendError", "NCCL communicator was aborted")
-
-
-def is_peer_loss(traceback_text: str) -> bool:
-    """Whether a traceback ends in a communication error caused by another rank's death.
-
-    Example:
-        >>> is_peer_loss("RuntimeError: ... Connection reset by peer ...")
-        True
-    """
-    tail = traceback_text.rstrip().rsplit("\n", 1)[-1]
-    return any(marker in tail for marker in _PEER_LOST)
-
-
-def _first_failure(error: ChildFailedError) -> tuple[int, Any]:
-    """The root-cause rank: a real error before a lost peer or a rank the launcher stopped.
-
-    Ranks the elastic agent terminates after the first failure (SIGTERM, no traceback) can
-    carry the same or an earlier timestamp than the rank that raised, so they rank last.
-    """
-    def order(item: tuple[int, Any]) -> tuple[bool, bool, float]:
-        failure = item[1]
-        trace = _traceback_of(failure.message) or ""
-        precise = _precise_time(failure.message)
-        stopped = not trace and failure.exitcode == -signal.SIGTERM
-        when = float(failure.timestamp) if precise is None else precise
-        return is_peer_loss(trace), stopped, when
-
-    return min(error.failures.items(), key=order)
-
-
-def describe_failure(error: ChildFailedError, what: str) -> tuple[str, int]:
-    """A readable report of failed workers, and the exit code the launcher should return.
-
-    The exit code is the first failing rank's (1 when it raised), or 128 + the signal number
-    when it was killed.
-
-    Example:
-        >>> text, code = describe_failure(error, "train.py")
-        >>> print(text)  # doctest: +SKIP
-        accel launch: train.py failed on rank 1 (local rank 1, pid 7): raised ValueError: x
-        ...
-    """
-    first_rank, first = _first_failure(error)
-    lines = []
-    for rank, failure in sorted(error.failures.items()):
-        how = (f"exit code {failure.exitcode}" if failure.exitcode >= 0
-               else _signal_text(failure.exitcode))
-        raised = _traceback_of(failure.message)
-        if raised:
-            last = raised.rstrip().rsplit("\n", 1)[-1]
-            how = f"raised {last}" + (f" ({how})" if failure.exitcode != 1 else "")
-        mark = " (first failure)" if rank == first_rank and len(error.failures) > 1 else ""
-        lines.append(f"accel launch: {what} failed on rank {rank} (local rank "
-                     f"{failure.local_rank}, pid {failure.pid}): {how}{mark}")
-    trace = _traceback_of(first.message)
-    if trace:
-        lines += [f"----- traceback of rank {first_rank} -----", trace.rstrip("\n"),
-                  "-" * 40]
-    elif first.exitcode < 0:
-        lines.append(f"Rank {first_rank} raised no Python exception: it was "
-                     f"{_signal_text(first.exitcode)} (SIGKILL often means out of memory).")
-    else:
-        lines.append(f"Rank {first_rank} exited without a Python exception (sys.exit or "
-                     "os._exit); its own output is above.")
-    if first.exitcode > 0:
-        code = first.exitcode
-    elif first.exitcode < 0 and not trace:
-        code = 128 - first.exitcode
-    else:  # raised, then stopped by the launcher while exiting
-        code = 1
-    return "\n".join(lines) + "\n", code
 
 
 def run_plan(plan: LaunchPlan, what: str) -> int:

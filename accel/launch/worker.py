@@ -42,8 +42,11 @@ def _user_frames(tb: TracebackType | None, filename: str | None) -> TracebackTyp
 
 def _record(error: BaseException, text: str) -> None:
     """Write torch elastic's error file for this worker (no-op outside a torchrun job)."""
-    # The worker reads the variable torch elastic sets for exactly this purpose.
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    # The variable torch elastic sets for exactly this purpose; accel._env (the one reader of
+    # the environment) is imported only here, on failure, so the worker starts fast.
+    from accel._env import read_variable
+
+    path = read_variable("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     data = {

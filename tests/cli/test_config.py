@@ -194,3 +194,58 @@ def test_default_settings_are_valid() -> None:
     assert parse_config(dump_config(defaults)) == defaults
     assert defaults["mixed_precision"] == "no"
     assert "num_processes" not in defaults
+
+
+def test_questionnaire_does_not_offer_fp8() -> None:
+    answers = iter(["1", "", "n", "fp8", "bf16", "1", "", "0", "n"])
+    prompts: list[str] = []
+    said: list[str] = []
+
+    def read(prompt: str) -> str:
+        prompts.append(prompt)
+        return next(answers)
+
+    settings = ask_config(read, said.append)
+    assert settings["mixed_precision"] == "bf16"
+    question = next(p for p in prompts if p.startswith("Mixed precision"))
+    assert "fp8" not in question and "no/fp16/bf16" in question
+    assert any("'fp8' runs as bf16" in line and "Try again" in line for line in said)
+
+
+def test_env_info_says_that_fp8_runs_as_bf16() -> None:
+    from accel._settings import FP8_NOTE
+    from accel.launch.envinfo import collect_env_info, format_env_info
+
+    fp8 = collect_env_info(resolve_settings({"mixed_precision": "fp8"}, LaunchEnv(), {}),
+                           Path("cfg.toml"), "--config-file")
+    assert fp8["notes"] == [FP8_NOTE]
+    assert fp8["settings"]["mixed_precision"] == {"value": "fp8", "source": "command line"}
+    assert f"- note: {FP8_NOTE}" in format_env_info(fp8)
+    bf16 = collect_env_info(resolve_settings({"mixed_precision": "bf16"}, LaunchEnv(), {}),
+                            Path("cfg.toml"), "--config-file")
+    assert bf16["notes"] == []
+    assert "note:" not in format_env_info(bf16)
+
+
+def test_the_config_module_reexports_the_lower_layers() -> None:
+    import accel._config_file as file_layer
+    import accel._settings as settings_layer
+    import accel.launch._toml_writer as writer
+    import accel.launch.config as config
+    import accel.launch.questionnaire as questionnaire
+
+    assert config.parse_config is file_layer.parse_config
+    assert config.validate_setting is settings_layer.validate_setting
+    assert config.write_config is writer.write_config
+    assert config.ask_config is questionnaire.ask_config
+    assert set(config.__all__) <= set(dir(config))
+
+
+def test_a_value_the_file_cannot_hold_is_a_config_type_error() -> None:
+    from accel.errors import ConfigTypeError
+
+    with pytest.raises(ConfigTypeError, match=r"\[1, 2\]") as info:
+        dump_config({"comm_state_option": {"matrix_approximation_rank": [1, 2]}})
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ConfigError)
+    with pytest.raises(ConfigError, match="unknown settings"):
+        dump_config({"mixed_precison": "bf16"})

@@ -149,11 +149,22 @@ def test_accumulated_training_equals_one_big_batch() -> None:
 
 def test_no_sync_and_trigger_are_no_ops_on_plain_modules() -> None:
     model = nn.Linear(1, 1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    x = torch.ones(2, 1)
     with fake():
-        with accel.no_sync(model):
-            pass
-        with accel.trigger_sync_in_backward(model):
-            pass
+        with accel.no_sync(model) as inside:
+            model(x).sum().backward()
+        assert inside is None
+        assert model.weight.grad is not None
+        first = model.weight.grad.clone()
+        with accel.trigger_sync_in_backward(model) as armed:
+            model(x).sum().backward()
+        assert armed is None
+    # gradients accumulate locally as without the contexts; the module itself is unchanged
+    torch.testing.assert_close(model.weight.grad, 2 * first)
+    assert type(model) is nn.Linear and not hasattr(model, "require_backward_grad_sync")
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name])
 
 
 class _Fsdp2Like(nn.Module):

@@ -1,10 +1,34 @@
 from __future__ import annotations
 
+import os
+import threading
+import warnings
+from typing import get_args
+
+import attrs
 import pytest
 
+from accel._config_file import load_config, parse_config
 from accel._env import (
     DERIVED_PORT_RANGE,
+    LaunchEnv,
     read_launch_env,
+)
+from accel._settings import (
+    BACKENDS,
+    COMM_HOOKS,
+    DDP_CONFIG_KEYS,
+    DEFAULT_PORT,
+    DEFAULT_TIMEOUT_S,
+    FALSE_WORDS,
+    MIXED_PRECISION_MODES,
+    POLICY_KEYS,
+    SETTINGS,
+    STRATEGIES,
+    TRUE_WORDS,
+    cpu_count,
+    env_variable,
+    validate_setting,
 )
 from accel.errors import AccelError, ConfigError
 
@@ -199,3 +223,115 @@ def test_mpi_port_is_derived_from_the_job_id(variable: str, first: str, second: 
 def test_mpi_without_a_job_id_uses_the_documented_default() -> None:
     env = read_launch_env({"PMI_RANK": "1", "PMI_SIZE": "2"})
     assert (env.launcher, env.master_port) == ("mpi", 29500)
+
+
+# ---- the settings are defined once (accel._settings) and read alike everywhere ----
+
+
+@pytest.mark.parametrize("word", [*TRUE_WORDS, *FALSE_WORDS, "Y", " ON ", "False"])
+def test_boolean_spellings_are_the_same_in_the_environment_and_the_config_file(
+    word: str,
+) -> None:
+    expected = word.strip().lower() in TRUE_WORDS
+    assert read_launch_env({"ACCEL_CPU": word}).cpu is expected
+    assert read_launch_env({"ACCEL_ON_EACH_NODE": word}).on_each_node is expected
+    assert validate_setting("cpu", word, "cfg.toml") is expected
+    assert parse_config(f'debug = "{word}"') == {"debug": expected}
+
+
+def test_environment_values_are_checked_like_config_values() -> None:
+    cases = {
+        "ACCEL_MIXED_PRECISION": ("fp32", "['no', 'fp16', 'bf16', 'fp8']"),
+        "ACCEL_STRATEGY": ("deepspeed", "['none', 'ddp', 'fsdp']"),
+        "ACCEL_BACKEND": ("tcp", "'gloo'"),
+        "ACCEL_GRADIENT_ACCUMULATION_STEPS": ("0", ">= 1"),
+        "ACCEL_TIMEOUT": ("-5", "> 0"),
+        "ACCEL_CPU": ("maybe", "y/n"),
+    }
+    for name, (value, allowed) in cases.items():
+        with pytest.raises(ConfigError) as info:
+            read_launch_env({name: value})
+        message = str(info.value)
+        assert f"{name}={value!r}" in message and allowed in message, message
+        assert f"`{name}=" in message  # how to fix it, as a variable
+
+
+def test_environment_values_are_normalised_and_blank_means_unset() -> None:
+    env = read_launch_env({"ACCEL_MIXED_PRECISION": " BF16 ", "ACCEL_STRATEGY": "DDP",
+                           "ACCEL_TIMEOUT": "60", "ACCEL_DEBUG": "", "ACCEL_CPU": "  "})
+    assert env.mixed_precision == "bf16" and env.strategy == "ddp" and env.timeout == 60.0
+    assert env.debug is None and env.cpu is None
+
+
+def test_every_policy_setting_is_read_from_its_variable() -> None:
+    fields = {field.name for field in attrs.fields(LaunchEnv)}
+    assert set(POLICY_KEYS) <= fields
+    examples = {"int": "3", "float": "12.5", "bool": "yes", "choice": None}
+    for key in POLICY_KEYS:
+        spec = SETTINGS[key]
+        text = examples[spec.kind] or spec.choices[-1]
+        value = getattr(read_launch_env({env_variable(key): text}), key)
+        assert value == validate_setting(key, text) and value is not None
+
+
+def test_modules_take_the_definitions_from_the_settings_module() -> None:
+    import accel._env as env_module
+    import accel._state as state_module
+    import accel.launch.config as launch_config
+    import accel.launch.run as run_module
+    from accel import _ddp
+
+    assert get_args(state_module.MixedPrecision) == MIXED_PRECISION_MODES
+    assert get_args(state_module.Strategy) == STRATEGIES
+    assert state_module.DEFAULT_TIMEOUT_S == DEFAULT_TIMEOUT_S == SETTINGS["timeout"].default
+    assert launch_config.SETTINGS is SETTINGS
+    assert launch_config.load_config is load_config
+    assert _ddp.COMM_HOOKS is COMM_HOOKS and _ddp.CONFIG_OPTIONS == DDP_CONFIG_KEYS
+    assert env_module.DEFAULT_PORT == run_module.DEFAULT_MULTI_NODE_PORT == DEFAULT_PORT
+    assert SETTINGS["backend"].choices == BACKENDS
+    assert SETTINGS["mixed_precision"].choices == MIXED_PRECISION_MODES
+
+
+def test_cpu_count_is_the_affinity_mask() -> None:
+    expected = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    assert cpu_count() >= 1
+    if expected is not None:
+        assert cpu_count() == expected
+
+
+def test_fp8_warns_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import accel
+    import accel.process_group as process_group
+
+    monkeypatch.setattr(process_group, "_FP8_SAID", threading.Event())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with accel.distributed(mixed_precision="fp8") as st:
+            assert st.mixed_precision == "fp8"
+            with accel.distributed(mixed_precision="fp8"):
+                pass
+    said = [w for w in caught if "fp8" in str(w.message)]
+    assert len(said) == 1 and said[0].category is UserWarning
+    assert "'fp8' runs as bf16 autocast" in str(said[0].message)
+    assert said[0].filename == __file__  # points at the caller's `with` line
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        with accel.distributed(mixed_precision="fp8"):
+            pass
+        with accel.distributed(mixed_precision="bf16"):
+            pass
+    assert not [w for w in again if "fp8" in str(w.message)]
+
+
+def test_bf16_gives_no_fp8_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    import accel
+    import accel.process_group as process_group
+
+    fresh = threading.Event()
+    monkeypatch.setattr(process_group, "_FP8_SAID", fresh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with accel.distributed(mixed_precision="bf16"):
+            pass
+    assert not [w for w in caught if "fp8" in str(w.message)]
+    assert not fresh.is_set()

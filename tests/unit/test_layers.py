@@ -1,0 +1,151 @@
+"""Imports inside accel only flow down the layers recorded in docs/architecture.md.
+
+The import graph is drawn from the source with ``ast``: every ``import``/``from ... import``
+naming an accel module, at module level or inside a function (a lazy import is a dependency
+too). Run this file as a script to print the graph with each module's layer.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "accel"
+
+# Highest first. A module belongs to the first layer with a pattern that matches it: the exact
+# name, or ``prefix.*`` for a package's modules. Unlisted modules are in "features".
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("package", ("accel", "accel.launch.selftest")),
+    ("tools", ("accel.launch", "accel.launch.*", "accel.testing")),
+    ("distributed", ("accel.process_group",)),
+    ("features", ()),
+    ("state", ("accel._state",)),
+    ("config file", ("accel._config_file",)),
+    ("environment", ("accel._env",)),
+    ("settings", ("accel._settings",)),
+    ("errors", ("accel.errors",)),
+]
+_FEATURES = [name for name, _ in LAYERS].index("features")
+
+
+def layer_of(module: str) -> int:
+    """Index of the module's layer in :data:`LAYERS` (0 is the highest)."""
+    for index, (_, patterns) in enumerate(LAYERS):
+        for pattern in patterns:
+            if module == pattern or (
+                pattern.endswith(".*") and module.startswith(pattern[:-1])
+            ):
+                return index
+    return _FEATURES
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(module: str, path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if path.name != "__init__.py":
+        base.pop()
+    base = base[: len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Each accel module and the accel modules it imports (``accel`` for the package itself).
+
+    ``from accel import __version__`` is not counted: it reads the package's metadata, which
+    is loaded before any of its modules.
+    """
+    paths = {_module_name(p, package.parent): p for p in sorted(package.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.split(".")[0] == "accel")
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(module, path, node)
+                if target.split(".")[0] != "accel":
+                    continue
+                names = [a.name for a in node.names]
+                if target == "accel" and names == ["__version__"]:
+                    continue
+                for name in names:  # `from accel.launch import config` imports a module
+                    full = f"{target}.{name}"
+                    deps.add(full if full in paths else target)
+        deps.discard(module)
+        graph[module] = deps
+    return graph
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a lower layer to a higher one, as readable lines."""
+    found = []
+    for module, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            if layer_of(dep) < layer_of(module):
+                found.append(
+                    f"{module} ({LAYERS[layer_of(module)][0]}) imports {dep} "
+                    f"({LAYERS[layer_of(dep)][0]})"
+                )
+    return found
+
+
+def test_imports_only_flow_down() -> None:
+    graph = import_graph()
+    assert "accel._settings" in graph and "accel.process_group" in graph
+    assert upward_imports(graph) == []
+
+
+def test_the_settings_layer_imports_only_errors() -> None:
+    graph = import_graph()
+    assert graph["accel._settings"] <= {"accel.errors"}
+    assert graph["accel.errors"] == set()
+
+
+def test_distributed_reads_the_config_file_from_below() -> None:
+    graph = import_graph()
+    assert "accel._config_file" in graph["accel.process_group"]
+    assert not any(dep.startswith("accel.launch") for dep in graph["accel.process_group"])
+    assert layer_of("accel._config_file") > layer_of("accel._state")
+
+
+def test_an_upward_import_is_found(tmp_path: Path) -> None:
+    pkg = tmp_path / "accel"
+    (pkg / "launch").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "launch" / "__init__.py").write_text("")
+    (pkg / "launch" / "run.py").write_text("")
+    (pkg / "_env.py").write_text("def f():\n    from accel.launch import run\n")
+    (pkg / "model.py").write_text("from ._env import f\nfrom accel import __version__\n")
+    graph = import_graph(pkg)
+    assert graph["accel.model"] == {"accel._env"}
+    assert upward_imports(graph) == [
+        "accel._env (environment) imports accel.launch.run (tools)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("module", "layer"),
+    [("accel", "package"), ("accel.launch.cli", "tools"), ("accel.checkpoint.state", "features"),
+     ("accel._state", "state"), ("accel.errors", "errors")],
+)
+def test_layer_of(module: str, layer: str) -> None:
+    assert LAYERS[layer_of(module)][0] == layer
+
+
+if __name__ == "__main__":  # print the graph, lowest layer first
+    graph = import_graph()
+    for module in sorted(graph, key=lambda m: (-layer_of(m), m)):
+        deps = " ".join(sorted(graph[module])) or "-"
+        print(f"[{LAYERS[layer_of(module)][0]}] {module} -> {deps}")
+    sys.exit(1 if upward_imports(graph) else 0)
