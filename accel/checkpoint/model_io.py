@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from accel._sizes import parse_size
-from accel.checkpoint import _model_swap
+from accel.checkpoint import _full_weights, _model_swap
 from accel.checkpoint._atomic import leftovers, temp_sibling, write_file_atomically
 from accel.checkpoint._format import write_bytes, write_safetensors
 from accel.checkpoint._paths import as_module, as_path
@@ -31,10 +31,16 @@ TORCH_INDEX = "pytorch_model.bin.index.json"
 def get_state_dict(model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
     """The model's full state dict, with the unwrapped module's keys (no ``module.`` prefix).
 
+    For an FSDP-sharded model every rank must call it: each tensor is gathered in turn, and
+    every rank gets the full (unsharded) state dict on the CPU.
+
     Example:
         >>> sd = accel.get_state_dict(model)   # a DDP model gives the bare module's keys
     """
     target = unwrap_model(as_module(model, "accel.get_state_dict")) if unwrap else model
+    sharded = _full_weights.sharded_state(target)
+    if sharded is not None:
+        return _full_weights.gather(sharded)
     return {k: v.detach() for k, v in target.state_dict().items()}
 
 
@@ -194,7 +200,8 @@ def save_model(
     ``model.safetensors``, or shards ``model-0000k-of-0000n.safetensors`` plus
     ``model.safetensors.index.json`` (``pytorch_model*.bin`` with ``safe_serialization=False``).
     Keys are the unwrapped module's. Every rank must call it (an FSDP model's weights are
-    gathered); only the main process writes, or with ``on_each_node=True`` (default
+    gathered one shard file at a time, so no rank holds more than one file's worth of full
+    tensors); only the main process writes, or with ``on_each_node=True`` (default
     ``accel.state().on_each_node``) each machine's local main process writes its own copy,
     for machines without a shared filesystem.
 
@@ -220,10 +227,15 @@ def save_model(
     as_module(model, "accel.save_model")
     limit = _parse_size(max_shard_size)
     each = _nodes.resolve(on_each_node, "save_model")
-    tensors = get_state_dict(model)
+    sharded = _full_weights.sharded_state(unwrap_model(model))  # FSDP: gathered file by file
+    tensors = get_state_dict(model) if sharded is None else sharded
     if not _nodes.writes(each):
+        if sharded is not None:  # every rank takes part in each file's gathers, in order
+            for shard in _shards(sharded, limit):
+                _full_weights.gather(shard)
         return out
-    tensors = _dedupe_shared(tensors, "accel.save_model")
+    if sharded is None:
+        tensors = _dedupe_shared(tensors, "accel.save_model")
     shards = _shards(tensors, limit)
     weights, index_name = (SAFE_WEIGHTS, SAFE_INDEX) if safe_serialization else (
         TORCH_WEIGHTS, TORCH_INDEX)
@@ -243,7 +255,9 @@ def save_model(
         new.mkdir()
         try:
             for name, shard in zip(names, shards, strict=True):
-                _write_shard(shard, safe_serialization, new / name)
+                full = shard if sharded is None else _full_weights.gather(shard)
+                _write_shard(full, safe_serialization, new / name)
+                del full
             if len(shards) > 1:
                 index = {
                     "metadata": {

@@ -1,0 +1,46 @@
+"""Full weights of an FSDP (DTensor) model: gathered tensor by tensor, onto the CPU.
+
+``get_state_dict`` gathers every tensor; ``save_model`` gathers one shard file's tensors at a
+time (:func:`gather`), every rank taking part in each gather in the same order, so no rank holds
+more than one file's worth of full tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from accel.checkpoint._sharded import dtensor_type, holds_dtensors
+
+__all__ = ["gather", "sharded_state"]
+
+
+def sharded_state(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """``module.state_dict()`` (detached) when it holds DTensors, else ``None``.
+
+    Example:
+        >>> sharded_state(nn.Linear(2, 2)) is None
+        True
+    """
+    if not holds_dtensors(module.parameters()):
+        return None
+    return {k: v.detach() for k, v in module.state_dict().items()}
+
+
+def gather(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor in full on the CPU: DTensors are all-gathered, in the mapping's order.
+
+    Every rank must call it with the same keys in the same order (a collective per DTensor).
+
+    Example:
+        >>> full = gather(sharded_state(model))   # every rank
+    """
+    cls = dtensor_type()
+    out: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        if cls is not None and isinstance(value, cls):
+            value = value.full_tensor()  # type: ignore[attr-defined]
+        out[key] = value.detach().to("cpu")
+    return out
