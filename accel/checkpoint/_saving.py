@@ -25,7 +25,7 @@ import attrs
 import torch
 from torch import nn
 
-from accel._state import scope, state
+from accel._state import state
 from accel.accumulation import _COUNTER as MODEL_COUNTER
 from accel.accumulation import _SCOPE_COUNTER as SCOPE_COUNTER
 from accel.checkpoint import _nodes, _place

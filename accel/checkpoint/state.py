@@ -34,8 +34,7 @@ import torch
 from torch import nn
 
 from accel._state import has_active_state, scope, state
-from accel.accumulation import _COUNTER as MODEL_COUNTER
-from accel.accumulation import _SCOPE_COUNTER as SCOPE_COUNTER
+from accel.accumulation import set_accumulation_step
 from accel.checkpoint import _nodes, _saving
 from accel.checkpoint._async import finish_pending, launch
 from accel.checkpoint._fit import check_fits
@@ -310,7 +309,7 @@ def _apply(plan: _Plan, objects: dict[str, Any], world_size: int) -> None:
         state_dict, extra = loaded[name]
         _load_into(name, obj, state_dict)
         if isinstance(obj, nn.Module) and extra.get("accumulation_step") is not None:
-            obj.__dict__[MODEL_COUNTER] = extra["accumulation_step"]
+            set_accumulation_step(extra["accumulation_step"], obj)
         if isinstance(obj, nn.Module):
             grad_file = plan.grad_files[name]
             _restore_gradients(_unwrap(obj), loaded[grad_file][0] if grad_file in loaded else {})
@@ -321,7 +320,7 @@ def _apply(plan: _Plan, objects: dict[str, Any], world_size: int) -> None:
         rng, extra = loaded[rank_file]
         set_rng_state(rng)
         if extra.get("accumulation_step") is not None:
-            scope().extras[SCOPE_COUNTER] = extra["accumulation_step"]
+            set_accumulation_step(extra["accumulation_step"])
     else:
         warnings.warn(plan.rng_warning, stacklevel=4)
 
