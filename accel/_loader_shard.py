@@ -28,10 +28,7 @@ __all__ = ["ShardMode", "shard_mode", "sharded_sampler"]
 
 def _even_override() -> bool | None:
     """The ``even_batches`` of the innermost ``join_uneven_inputs(..., even_batches=...)``."""
-    from accel.uneven import EVEN_BATCHES_KEY
-
-    override = scope().extras.get(EVEN_BATCHES_KEY)
-    return None if override is None else bool(override)
+    return scope().even_batches_override
 
 
 @attrs.define(eq=False)

@@ -8,10 +8,11 @@ process group, the launch environment) without side effects.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
-from typing import Any, Literal, NoReturn, get_args
+from typing import Any, Generic, Literal, NoReturn, TypeVar, get_args
 
 import attrs
 import torch
@@ -23,9 +24,11 @@ __all__ = [
     "MixedPrecision",
     "ProcessState",
     "Scope",
+    "ScopeSlot",
     "Strategy",
     "current_gate",
     "gated",
+    "reset_detached_scope",
     "resolve_policy",
     "scope",
     "set_state",
@@ -156,7 +159,10 @@ ProcessState.__delattr__ = _refuse_delattr  # type: ignore[method-assign,assignm
 class Scope:
     """Mutable per-``distributed()`` record: facts shared by the functions of one scope.
 
-    Owned by the outermost ``distributed()`` block (shared by nested ones); never a global.
+    Owned by the outermost ``distributed()`` block (shared by nested ones); outside any block,
+    one detached record serves the process (see :func:`scope`). Facts read by several modules
+    are typed fields here; a value private to one module lives in a :class:`ScopeSlot` that
+    module owns.
     """
 
     created_group: bool = False
@@ -168,7 +174,58 @@ class Scope:
     sync_gradients: bool = True
     active_loaders: list[Any] = attrs.field(factory=list)
     grad_scaler: Any = None
-    extras: dict[str, Any] = attrs.field(factory=dict)
+    # batches since the last sync step of accumulate() called without models (None: it never
+    # ran); read through accel.accumulation.accumulation_step / set_accumulation_step.
+    accumulation_step: int | None = None
+    # the prepared optimizers of this scope (for unscale_gradients() with no argument, ...).
+    optimizers: list[weakref.ref[Any]] = attrs.field(factory=list)
+    # the even_batches of the innermost join_uneven_inputs(..., even_batches=...) block, read
+    # by loaders that start iterating inside it (None: each loader's own setting).
+    even_batches_override: bool | None = None
+    _slots: dict[ScopeSlot[Any], Any] = attrs.field(factory=dict, alias="_slots")
+
+
+T = TypeVar("T")
+
+
+class ScopeSlot(Generic[T]):
+    """A per-scope value private to the module that creates the slot (typed, no string keys).
+
+    Example:
+        >>> _WATCH: ScopeSlot[Watch] = ScopeSlot("accel.preemption watch")
+        >>> watch = _WATCH.get_or_create(Watch)
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"ScopeSlot({self.name!r})"
+
+    def get(self, record: Scope | None = None) -> T | None:
+        """The value in ``record`` (default: the current scope), or ``None``."""
+        found: T | None = (scope() if record is None else record)._slots.get(self)
+        return found
+
+    def get_or_create(self, factory: Callable[[], T], record: Scope | None = None) -> T:
+        """The value, made with ``factory()`` and stored on first use."""
+        slots = (scope() if record is None else record)._slots
+        if self in slots:
+            value: T = slots[self]
+            return value
+        created = slots[self] = factory()
+        return created
+
+    def set(self, value: T, record: Scope | None = None) -> None:
+        """Store ``value`` for this slot."""
+        (scope() if record is None else record)._slots[self] = value
+
+    def pop(self, record: Scope | None = None) -> T | None:
+        """Remove and return the value (``None`` when there was none)."""
+        popped: T | None = (scope() if record is None else record)._slots.pop(self, None)
+        return popped
 
 
 _STATE: contextvars.ContextVar[ProcessState] = contextvars.ContextVar("accel_state")
@@ -210,13 +267,26 @@ def set_state(new: ProcessState, new_scope: Scope | None = None) -> Iterator[Pro
         _STATE.reset(token)
 
 
+_DETACHED: list[Scope] = []  # the record used outside any block (made on first use)
+
+
 def scope() -> Scope:
-    """The scope record of the active ``distributed()`` block (created on first use outside)."""
+    """The scope record of the active ``distributed()`` block.
+
+    Outside any block, one detached record serves the process: nothing is set in the caller's
+    context (a ``set_trigger()`` there does not leave a ``Scope`` in the ContextVar).
+    """
     current = _SCOPE.get(None)
-    if current is None:
-        current = Scope()
-        _SCOPE.set(current)
-    return current
+    if current is not None:
+        return current
+    if not _DETACHED:
+        _DETACHED.append(Scope())
+    return _DETACHED[0]
+
+
+def reset_detached_scope() -> None:
+    """Forget the record used outside any block (for test isolation)."""
+    _DETACHED.clear()
 
 
 def current_gate() -> str | None:

@@ -6,8 +6,9 @@ Where things live:
   .sync_gradients``, set by :func:`accumulate` at the start of each block and left as it is
   after the block (so ``if accel.sync_gradients():`` after the block works, as in Accelerate);
 - the accumulation counter: on the first model given to :func:`accumulate` (the
-  ``_accel_accumulation_step`` entry of its ``__dict__``), or in ``scope().extras`` when it
-  is called without models;
+  ``_accel_accumulation_step`` entry of its ``__dict__``), or in ``scope().accumulation_step``
+  when it is called without models; :func:`accumulation_step` and
+  :func:`set_accumulation_step` read and write it (checkpoints save and restore it);
 - the fp16 GradScaler that :func:`backward` scales the loss with: ``scope().grad_scaler``
   (used while the policy is ``"fp16"``; see ``accel.optim``).
 """
@@ -28,10 +29,47 @@ from accel._state import scope, state
 from accel.errors import ArgumentTypeError
 from accel.optim import active_scaler
 
-__all__ = ["accumulate", "backward", "no_sync", "sync_gradients", "trigger_sync_in_backward"]
+__all__ = [
+    "accumulate",
+    "accumulation_step",
+    "backward",
+    "no_sync",
+    "set_accumulation_step",
+    "sync_gradients",
+    "trigger_sync_in_backward",
+]
 
 _COUNTER = "_accel_accumulation_step"
-_SCOPE_COUNTER = "accel.accumulation_step"
+
+
+def accumulation_step(model: nn.Module | None = None) -> int | None:
+    """Batches since the last sync step, as counted by :func:`accumulate` (``None``: never ran).
+
+    With a model, the count of ``accumulate(model, ...)``; without, the count of
+    ``accumulate()`` called without models in this scope.
+
+    Example:
+        >>> with accel.accumulate(model):
+        ...     pass
+        >>> accumulation_step(model)  # 1 with gradient_accumulation_steps=4
+        1
+    """
+    if model is None:
+        return scope().accumulation_step
+    value = model.__dict__.get(_COUNTER)
+    return None if value is None else int(value)
+
+
+def set_accumulation_step(step: int, model: nn.Module | None = None) -> None:
+    """Set the count :func:`accumulation_step` reads (what ``load_state`` restores).
+
+    Example:
+        >>> set_accumulation_step(0, model)  # the next accumulate(model) starts a cycle
+    """
+    if model is None:
+        scope().accumulation_step = step
+    else:
+        model.__dict__[_COUNTER] = step
 
 
 def backward(loss: torch.Tensor, **kwargs: Any) -> None:
@@ -125,19 +163,16 @@ class _Accumulate:
         loaders = sc.active_loaders
         end = loaders[-1].end_of_dataloader if loaders else False
         models = self._models
-        if models:
-            counters = models[0].__dict__
-            key = _COUNTER
-        else:
-            counters = sc.extras
-            key = _SCOPE_COUNTER
         if end:
-            counters[key] = 0
-            sync = True
+            step = 0
+        else:  # batches since the last sync step
+            last = models[0].__dict__.get(_COUNTER, 0) if models else sc.accumulation_step
+            step = ((last or 0) + 1) % steps
+        if models:
+            models[0].__dict__[_COUNTER] = step
         else:
-            step = (counters.get(key, 0) + 1) % steps  # batches since the last sync step
-            counters[key] = step
-            sync = step == 0
+            sc.accumulation_step = step
+        sync = step == 0
         sc.sync_gradients = sync
         if not sync:
             for model in models:

@@ -11,7 +11,7 @@ Where things live:
 
 - the options: ``accel.state().options`` (``distributed(**options)``) merged with
   ``prepare_model``'s ``**strategy_options`` (which win), checked by :func:`fsdp_options`;
-- the device mesh: ``scope().extras["accel.fsdp.mesh"]``, made once per scope and device type;
+- the device mesh: in this module's ``_MESHES`` scope slot, made once per scope and device type;
 - which parameters sharding replaced: marked on each replaced (old) parameter by
   ``accel._fsdp_params`` (which also checks and remaps optimizers, at prepare time only).
 """
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from accel._fsdp_params import mark_replaced
-from accel._state import ProcessState, scope, state
+from accel._state import ProcessState, ScopeSlot, state
 from accel.errors import ConfigError
 from accel.precision import autocast_dtype
 
@@ -48,7 +48,7 @@ __all__ = [
 FSDP_OPTIONS = ("shard_modules", "reshard_after_forward", "cpu_offload")
 """The strategy options of ``strategy="fsdp"``."""
 
-_MESH = "accel.fsdp.mesh"
+_MESHES: ScopeSlot[dict[tuple[str, int], DeviceMesh]] = ScopeSlot("accel.fsdp device meshes")
 _ONE_PROCESS_SAID = threading.Event()  # once per process: FSDP on one process runs unsharded
 _EXAMPLES = {
     "shard_modules": "shard_modules=MyBlock",
@@ -257,14 +257,13 @@ def is_fsdp_module(module: object) -> bool:
 
 
 def _mesh(st: ProcessState) -> DeviceMesh:
-    extras = scope().extras
-    key = f"{_MESH}.{st.device.type}.{st.world_size}"
-    mesh: DeviceMesh | None = extras.get(key)
+    meshes = _MESHES.get_or_create(dict)
+    key = (st.device.type, st.world_size)
+    mesh = meshes.get(key)
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(st.device.type, (st.world_size,))
-        extras[key] = mesh
+        mesh = meshes[key] = init_device_mesh(st.device.type, (st.world_size,))
     return mesh
 
 

@@ -11,7 +11,7 @@ Where things live:
   ``accel.distributed(mixed_precision="no")`` block trains without loss scaling.
   Save and restore it with :func:`scaler_state_dict` / :func:`load_scaler_state_dict`;
 - the optimizers prepared in the scope: weak references in
-  ``scope().extras["accel.optimizers"]`` (for :func:`unscale_gradients` with no argument and
+  ``scope().optimizers`` (for :func:`unscale_gradients` with no argument and
   for schedulers to find their optimizer);
 - per-optimizer facts (last step skipped, gradients already unscaled this step): attributes
   of the :class:`PreparedOptimizer`.
@@ -44,7 +44,6 @@ __all__ = [
     "unscale_gradients",
 ]
 
-_REGISTRY = "accel.optimizers"
 
 Params = torch.Tensor | Iterable[torch.Tensor]
 
@@ -192,20 +191,15 @@ def active_scaler() -> torch.amp.GradScaler | None:
     return scaler
 
 
-def _registry() -> list[weakref.ref[PreparedOptimizer]]:
-    extras = scope().extras
-    refs: list[weakref.ref[PreparedOptimizer]] | None = extras.get(_REGISTRY)
-    if refs is None:
-        refs = extras[_REGISTRY] = []
-    return refs
+def _registry() -> list[weakref.ref[Any]]:
+    return scope().optimizers
 
 
 def _prepared_optimizers() -> list[PreparedOptimizer]:
-    refs = scope().extras.get(_REGISTRY)
+    refs = scope().optimizers
     if not refs:
         return []
-    alive = [opt for opt in (ref() for ref in refs) if opt is not None]
-    return alive
+    return [opt for opt in (ref() for ref in refs) if isinstance(opt, PreparedOptimizer)]
 
 
 def _find_prepared(optimizer: Any) -> PreparedOptimizer | None:

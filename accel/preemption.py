@@ -28,13 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from accel._state import current_gate, has_active_state, scope, state
+from accel._state import ScopeSlot, current_gate, has_active_state, state
 from accel.errors import GatedCollectiveError, NotDistributedError
 
 __all__ = ["stop_requested"]
 
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-_KEY = "accel.preemption"
 _PERIOD_S = 0.02  # aim for one agreement collective per this much loop time
 _MAX_INTERVAL = 256  # but at least one every this many calls
 _REPEAT_WINDOW_S = 2.0  # a signal this soon after the first is the same request, delivered twice
@@ -169,6 +168,9 @@ class _Watch:
             self.restore()
 
 
+_WATCH: ScopeSlot[_Watch] = ScopeSlot("accel.preemption stop watch")
+
+
 def _agreement_group(watch: _Watch) -> Any:
     """The group the flag travels in: the default one on gloo, else a gloo group of our own.
 
@@ -224,8 +226,7 @@ def stop_requested() -> bool:
             "inside the block, e.g. `with accel.distributed(): ... if accel.stop_requested(): "
             "break`."
         )
-    extras = scope().extras
-    watch: _Watch | None = extras.get(_KEY)
+    watch = _WATCH.get()
     if watch is None:
         world_size = state().world_size
         if world_size > 1 and not dist.is_initialized():
@@ -234,7 +235,8 @@ def stop_requested() -> bool:
                 "but no process group is initialised. Call it inside the outermost "
                 "`with accel.distributed():` block (it joins the launcher's group)."
             )
-        watch = extras[_KEY] = _Watch(world_size)
+        watch = _Watch(world_size)
+        _WATCH.set(watch)
     return watch.poll()
 
 
@@ -259,6 +261,6 @@ def stop_watch_scope() -> Iterator[None]:
 
 
 def _finish(*, failed: bool) -> None:
-    watch = scope().extras.pop(_KEY, None)
-    if isinstance(watch, _Watch):
+    watch = _WATCH.pop()
+    if watch is not None:
         watch.finish(failed=failed)

@@ -187,6 +187,8 @@ def distributed(
         inner = _nested(
             state(), fixed=fixed, changes=changes, options=options, on_each_node=on_each_node
         )
+        if seed is not None:  # recorded in the block's state, as for an outer block
+            inner = attrs.evolve(inner, seed=seed)
         with set_state(inner):
             if seed is not None:
                 _seed(seed)

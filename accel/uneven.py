@@ -18,12 +18,7 @@ from accel._state import scope, state
 from accel.collectives import begin
 from accel.errors import ArgumentTypeError
 
-__all__ = ["EVEN_BATCHES_KEY", "join_uneven_inputs"]
-
-# ``scope().extras`` key holding the ``even_batches`` override of the innermost
-# ``join_uneven_inputs(..., even_batches=...)`` block; prepared data loaders that start
-# iterating inside the block read it (``None``/absent: use the loader's own setting).
-EVEN_BATCHES_KEY = "even_batches_override"
+__all__ = ["join_uneven_inputs"]
 
 
 def _as_joinables(joinables: object, *, single: bool = False) -> list[Joinable]:
@@ -50,18 +45,19 @@ def _as_joinables(joinables: object, *, single: bool = False) -> list[Joinable]:
 @contextmanager
 def _even_batches(even_batches: bool | None) -> Iterator[None]:
     """Override ``even_batches`` for the block: on the loaders being iterated now (those with
-    an ``even_batches`` attribute) and, through ``scope().extras``, for loaders started in it."""
+    an ``even_batches`` attribute) and, through ``scope().even_batches_override``, for loaders
+    started in it."""
     if even_batches is None:
         yield
         return
     record = scope()
-    previous_override = record.extras.get(EVEN_BATCHES_KEY)
+    previous_override = record.even_batches_override
     changed = [
         (loader, loader.even_batches)
         for loader in record.active_loaders
         if hasattr(loader, "even_batches")
     ]
-    record.extras[EVEN_BATCHES_KEY] = even_batches
+    record.even_batches_override = even_batches
     for loader, _ in changed:
         loader.even_batches = even_batches
     try:
@@ -69,10 +65,7 @@ def _even_batches(even_batches: bool | None) -> Iterator[None]:
     finally:
         for loader, old in changed:
             loader.even_batches = old
-        if previous_override is None:
-            record.extras.pop(EVEN_BATCHES_KEY, None)
-        else:
-            record.extras[EVEN_BATCHES_KEY] = previous_override
+        record.even_batches_override = previous_override
 
 
 @contextmanager

@@ -10,6 +10,17 @@ import pytest
 import torch.distributed as dist
 
 from accel import _state
+from accel.big_model import init as _big_model_init
+from accel.trackers import _RUN as _TRACKING_RUN
+
+# every ContextVar accel owns, with the value it holds outside any accel block
+_CONTEXT_VARS = {
+    "accel._state._STATE (the process state)": (_state._STATE, None),
+    "accel._state._SCOPE (the distributed() scope record)": (_state._SCOPE, None),
+    "accel._state._GATE (the rank gate)": (_state._GATE, None),
+    "accel.big_model.init._CURRENT (init_empty_weights)": (_big_model_init._CURRENT, None),
+    "accel.trackers._RUN (the tracking run)": (_TRACKING_RUN, None),
+}
 
 
 def _environ() -> dict[str, str]:
@@ -26,7 +37,9 @@ def _no_leaks() -> Iterator[None]:
     env_before = _environ()
     threads_before = {t.ident for t in threading.enumerate()}
     yield
-    assert _state._STATE.get(None) is None, "a test left an accel state set (ContextVar leak)"
+    _state.reset_detached_scope()  # what set_trigger() etc. did outside any block
+    for name, (var, outside) in _CONTEXT_VARS.items():
+        assert var.get(None) is outside, f"a test left {name} set (ContextVar leak)"
     assert not (dist.is_available() and dist.is_initialized()), (
         "a test left a torch.distributed process group initialised"
     )

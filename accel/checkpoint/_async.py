@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from accel._state import scope
+from accel._state import ScopeSlot, scope
 from accel.checkpoint._atomic import remove_dir
 from accel.checkpoint._format import FileRecord
 from accel.checkpoint._writer import PlannedFile, write_files
@@ -42,10 +42,6 @@ if TYPE_CHECKING:  # _saving (and the model code it needs) loads with the first 
     from accel.checkpoint._saving import SaveJob
 
 __all__ = ["finish_pending", "launch", "pending_saves", "wait_for_checkpoints"]
-
-_PENDING = "accel.checkpoint.pending"
-_STAGING = "accel.checkpoint.staging"
-
 
 @attrs.define(eq=False)
 class _Pending:
@@ -64,6 +60,10 @@ class _Staging:
 
     buffers: dict[tuple[str, int], torch.Tensor] = attrs.field(factory=dict)
     stream: Any = None  # the CUDA side stream of the device copies
+
+
+_PENDING: ScopeSlot[_Pending] = ScopeSlot("accel.checkpoint pending async save")
+_STAGING: ScopeSlot[_Staging] = ScopeSlot("accel.checkpoint staging buffers")
 
 
 def _buffer(staging: _Staging, key: tuple[str, int], tensor: torch.Tensor) -> torch.Tensor:
@@ -149,7 +149,7 @@ def launch(job: SaveJob, plan: Any) -> None:
     from accel.checkpoint._saving import describe, finish
 
     here = scope()
-    staging = here.extras.setdefault(_STAGING, _Staging())
+    staging = _STAGING.get_or_create(_Staging, here)
     error: str | None = None
     files: list[PlannedFile] = []
     event: Any = None
@@ -165,7 +165,7 @@ def launch(job: SaveJob, plan: Any) -> None:
         target=contextvars.copy_context().run, args=(_write, pending, files, event),
         name="accel-checkpoint-writer", daemon=False,
     )
-    here.extras[_PENDING] = pending
+    _PENDING.set(pending, here)
     pending.thread.start()
 
 
@@ -175,7 +175,7 @@ def finish_pending() -> None:
     Raises:
         CheckpointError: on every rank, when any rank's background write failed.
     """
-    pending = scope().extras.pop(_PENDING, None)
+    pending = _PENDING.pop()
     if pending is None:
         return
     from accel.checkpoint._saving import finish
@@ -197,7 +197,7 @@ def pending_saves() -> Iterator[None]:
     try:
         yield
     except BaseException:
-        pending = scope().extras.pop(_PENDING, None)
+        pending = _PENDING.pop()
         if pending is not None:
             _abandon(pending)
         raise

@@ -171,7 +171,7 @@ def test_staging_buffers_are_reused_between_saves(tmp_path: Path) -> None:
     model, opt = _setup()
     with accel.distributed():
         accel.save_state(tmp_path, step=1, async_save=True, model=model)
-        staging = _async.scope().extras[_async._STAGING]
+        staging = _async._STAGING.get(_async.scope())
         first = {k: v.data_ptr() for k, v in staging.buffers.items()}
         accel.save_state(tmp_path, step=2, async_save=True, model=model)
         again = {k: v.data_ptr() for k, v in staging.buffers.items()}

@@ -462,15 +462,13 @@ def test_uneven_batches_end_per_rank() -> None:
 
 
 def test_even_batches_override_and_live_change() -> None:
-    from accel.uneven import EVEN_BATCHES_KEY
-
     with fake(1, 2):
         loader = prepare_data_loader(DataLoader(range(20), batch_size=3))
         assert loader.even_batches
         assert not loader.split_batches
-        scope().extras[EVEN_BATCHES_KEY] = False  # as inside join_uneven_inputs(even_batches=False)
+        scope().even_batches_override = False  # as inside join_uneven_inputs(even_batches=False)
         assert lists(loader) == [[3, 4, 5], [9, 10, 11], [15, 16, 17]]
-        del scope().extras[EVEN_BATCHES_KEY]
+        scope().even_batches_override = None
         assert loader.even_batches
         assert lists(loader)[-1] == [1, 2, 3]
         seen = []

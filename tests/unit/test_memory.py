@@ -12,7 +12,6 @@ from accel import _state, memory
 from accel.errors import ConfigError
 from accel.memory import NoExecutableBatchSizeError, is_out_of_memory
 from accel.testing import fake_state
-from accel.uneven import EVEN_BATCHES_KEY
 
 
 def _oom_above(limit: int, tried: list[int], error: type[BaseException] = torch.OutOfMemoryError):
@@ -190,15 +189,15 @@ def test_join_overrides_even_batches_for_the_block() -> None:
         record.active_loaders.append(loader)
         with accel.join_uneven_inputs([], even_batches=False):
             assert loader.even_batches is False
-            assert record.extras[EVEN_BATCHES_KEY] is False
+            assert record.even_batches_override is False
             with accel.join_uneven_inputs([], even_batches=True):
-                assert record.extras[EVEN_BATCHES_KEY] is True
-            assert record.extras[EVEN_BATCHES_KEY] is False
+                assert record.even_batches_override is True
+            assert record.even_batches_override is False
         assert loader.even_batches is True
         assert other.even_batches is True
-        assert EVEN_BATCHES_KEY not in record.extras
+        assert record.even_batches_override is None
         with accel.join_uneven_inputs([]):
-            assert EVEN_BATCHES_KEY not in record.extras
+            assert record.even_batches_override is None
             assert loader.even_batches is True
 
 
