@@ -33,6 +33,7 @@ from accel.checkpoint._atomic import remove_dir, replace_dir
 from accel.checkpoint._format import FileRecord, write_bytes
 from accel.checkpoint._layout import FORMAT, MANIFEST
 from accel.checkpoint._objects import plan_object
+from accel.checkpoint._sharded import plan_sharded
 from accel.checkpoint._writer import PlannedFile
 from accel.collectives import gather_object
 from accel.errors import AccelError, CheckpointError
@@ -137,6 +138,12 @@ def plan_rank_files(
     """The files this rank writes: the objects (writers), gradients mid-cycle, ``rng``."""
     files: list[PlannedFile] = []
     for name, obj in objects.items():
+        counter = _accumulation_step(obj.__dict__, MODEL_COUNTER) if isinstance(
+            obj, nn.Module) else None
+        sharded = plan_sharded(tmp, name, obj, objects, rank, writer, counter)
+        if sharded is not None:  # FSDP (DTensor) state: every rank writes its own shards
+            files += sharded
+            continue
         if not isinstance(obj, nn.Module):
             if writer:
                 files += plan_object(tmp, name, _state_dict_of(name, obj))

@@ -47,7 +47,9 @@ from accel.checkpoint._layout import (
 )
 from accel.checkpoint._objects import read_object
 from accel.checkpoint._paths import as_path
+from accel.checkpoint._reshard import resolve
 from accel.checkpoint._saving import GRADS
+from accel.checkpoint._sharded import check_layout
 from accel.checkpoint._writer import PlannedFile, write_files
 from accel.checkpoint.rng import get_rng_state, set_rng_state
 from accel.collectives import begin, gather_object
@@ -198,6 +200,7 @@ def save_state(
     finish_pending()  # an earlier asynchronous save completes (or fails) first
     st = state()
     each = _nodes.resolve(on_each_node, "save_state")
+    check_layout(objects, each, "save_state")  # FSDP shards need one shared copy
     scaler = scope().grad_scaler
     if scaler is not None:
         objects = {**objects, GRAD_SCALER: scaler}
@@ -272,6 +275,7 @@ def _verify(path: Path, objects: dict[str, Any], rank: int, world_size: int) -> 
     with ThreadPoolExecutor(max_workers=min(len(wanted), os.cpu_count() or 1) or 1) as pool:
         loaded = dict(zip(wanted, pool.map(lambda n: read_object(path, n, files), wanted),
                           strict=True))
+    resolve(path, files, objects, loaded)  # FSDP: shards <-> full tensors, for each target
     for name, obj in objects.items():
         check_fits(name, _unwrap(obj), loaded[name][0])
     info = CheckpointInfo(
