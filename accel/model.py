@@ -8,9 +8,6 @@ training path assumes DDP: accumulation, clipping and the optimizer wrapper work
 
 from __future__ import annotations
 
-import atexit
-import functools
-import gc
 import sys
 import weakref
 from collections.abc import Mapping
@@ -21,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel._ddp import DDPOptions, ddp_options, make_ddp, note_ignored
+from accel._ddp_teardown import collect_garbage_at_exit
 from accel._state import state
 from accel.errors import ArgumentTypeError, ConfigError
 from accel.precision import AutocastForward, autocast_dtype
@@ -85,24 +83,11 @@ def _compiled_inner(model: nn.Module) -> nn.Module | None:
     return None
 
 
-@functools.cache
-def _collect_garbage_at_exit() -> None:
-    """Once per process: free unreachable DDP wrappers before interpreter shutdown.
-
-    A DDP wrapper sits in reference cycles, so one dropped by the script (e.g. a local of
-    ``main()``) is only freed by the garbage collector; freed during interpreter finalization,
-    its reducer aborts the process ("terminate called without an active exception",
-    SIGABRT) in a few runs out of ten with gloo (torch 2.13, raw DDP too). Collecting at exit,
-    before finalization, avoids it.
-    """
-    atexit.register(gc.collect)
-
-
 def _wrap_ddp(module: nn.Module, device: torch.device, options: DDPOptions) -> nn.Module:
     placement: dict[str, Any] = {}
     if device.type == "cuda" and device.index is not None:
         placement = {"device_ids": [device.index], "output_device": device.index}
-    _collect_garbage_at_exit()
+    collect_garbage_at_exit()
     return make_ddp(module, options, placement)
 
 

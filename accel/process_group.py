@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import gc
 import threading
 import warnings
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from accel._config_file import load_config
+from accel._ddp_teardown import release_ddp_reducers
 from accel._env import LaunchEnv, read_launch_env
 from accel._settings import BACKENDS, DDP_CONFIG_KEYS, DEFAULT_PORT, FP8_NOTE, POLICY_KEYS
 from accel._state import (
@@ -288,7 +288,7 @@ def _teardown() -> None:
         dist.barrier()
     except RuntimeError:  # a peer already failed: nothing left to synchronise with
         pass
-    _release_ddp_reducers()
+    release_ddp_reducers()
     dist.destroy_process_group()
 
 
@@ -304,7 +304,7 @@ def _leave_after_error() -> None:
     collective gets an error at once). Nothing here may raise over the user's exception.
     """
     try:
-        _release_ddp_reducers()
+        release_ddp_reducers()
     except Exception:  # best effort: the user's exception is what matters
         pass
     try:
@@ -315,24 +315,6 @@ def _leave_after_error() -> None:
             dist.destroy_process_group()
     except Exception:  # a broken group cannot be left more cleanly
         pass
-
-
-def _release_ddp_reducers() -> None:
-    """Free the gradient reducers of live DDP modules before their group goes away.
-
-    A DDP module that outlives its process group (a model still referenced when the
-    ``with`` block ends) otherwise destroys its reducer at interpreter exit, which aborts
-    the process now and then (seen with torch 2.13 + gloo: SIGABRT, "terminate called without
-    an active exception"; deleting the reducer first avoids it). The module cannot train
-    after its group is destroyed anyway. One scan of live objects, once per job.
-    """
-    ddp_type = torch.nn.parallel.DistributedDataParallel
-    for obj in gc.get_objects():
-        if issubclass(type(obj), ddp_type):  # type(), not isinstance: no __class__ lookups
-            for name in ("reducer", "logger"):
-                if name in obj.__dict__:
-                    delattr(obj, name)
-    gc.collect()
 
 
 def _seed(seed: int) -> None:
