@@ -54,7 +54,10 @@ def test_example_on_two_cpu_processes(name: str, tmp_path: pathlib.Path) -> None
         assert len(files) == 1, files
         rows = [json.loads(line) for line in files[0].read_text().splitlines()]
         assert any("train/loss" in row for row in rows)
-        assert [row["eval"]["epoch"] for row in rows if "eval" in row] == [0]
+        evals = [row for row in rows if "eval/epoch" in row]  # nested keys joined with "/"
+        assert [row["eval/epoch"] for row in evals] == [0]
+        printed = re.findall(r"epoch 0: accuracy (\d\.\d{3})", proc.stdout)
+        assert printed == [f"{evals[0]['eval/accuracy']:.3f}"]
     if name == "checkpointing.py":  # the printed checkpoint is a complete one
         latest = pathlib.Path(found[0].split(": ", 1)[1])
         assert latest.is_dir() and latest.parent == tmp_path / "ck"
