@@ -57,7 +57,7 @@ BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
 
 FP8_NOTE = (
     "mixed_precision='fp8' runs as bf16 autocast: accel has no fp8 backend yet, so nothing "
-    "runs in fp8. Use `mixed_precision='bf16'` to get the same run without this warning."
+    "runs in fp8. `mixed_precision='bf16'` gives the same run and says so."
 )
 """What ``distributed()`` warns (once per process) and ``accel env`` shows for ``fp8``."""
 
