@@ -173,7 +173,8 @@ def test_save_on_2_load_into_a_plain_model_on_one_process(
     model = _net(seed=7)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    info = accel.load_state(root, model=model, optimizer=optimizer, scheduler=sched)
+    with pytest.warns(UserWarning, match="per-rank RNG states are not restored"):
+        info = accel.load_state(root, model=model, optimizer=optimizer, scheduler=sched)
     assert info is not None and info.world_size == 2
     _close(accel.get_state_dict(model), saved[0]["trained"], atol=0.0)
     for param in model.parameters():  # the AdamW moments are whole tensors again
