@@ -77,7 +77,7 @@ _LAZY: dict[str, str] = {
     "prepare_model": "accel.model",
     "unwrap_model": "accel.model",
     "prepare_optimizer": "accel.optim",
-    "prepare_scheduler": "accel.optim",
+    "prepare_scheduler": "accel.scheduling",
     "clip_grad_norm_": "accel.optim",
     "clip_grad_value_": "accel.optim",
     "unscale_gradients": "accel.optim",
@@ -220,7 +220,6 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.optim import clip_grad_value_ as clip_grad_value_
     from accel.optim import optimizer_step_was_skipped as optimizer_step_was_skipped
     from accel.optim import prepare_optimizer as prepare_optimizer
-    from accel.optim import prepare_scheduler as prepare_scheduler
     from accel.optim import unscale_gradients as unscale_gradients
     from accel.precision import autocast as autocast
     from accel.preemption import stop_requested as stop_requested
@@ -228,6 +227,7 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.process_group import distributed as distributed
     from accel.profiling import profile as profile
     from accel.progress_bar import progress as progress
+    from accel.scheduling import prepare_scheduler as prepare_scheduler
     from accel.seeding import set_seed as set_seed
     from accel.trackers import get_tracker as get_tracker
     from accel.trackers import log as log

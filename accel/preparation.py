@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader
 
 from accel._fsdp_params import adopt_sharded_parameters
 from accel.model import prepare_model
-from accel.optim import prepare_optimizer, prepare_scheduler
+from accel.optim import prepare_optimizer
+from accel.scheduling import prepare_scheduler
 
 __all__ = ["prepare"]
 

@@ -16,8 +16,9 @@ import accel
 from accel._state import ProcessState, Scope, set_state
 from accel.errors import AccelError, ConfigError
 from accel.model import is_prepared
-from accel.optim import PreparedOptimizer, PreparedScheduler
+from accel.optim import PreparedOptimizer
 from accel.precision import AutocastForward
+from accel.scheduling import PreparedScheduler
 
 
 @contextmanager

@@ -18,10 +18,10 @@ import accel
 from accel._state import ProcessState, Scope, scope, set_state
 from accel.optim import (
     PreparedOptimizer,
-    PreparedScheduler,
     load_scaler_state_dict,
     scaler_state_dict,
 )
+from accel.scheduling import PreparedScheduler
 
 
 @contextmanager
@@ -421,3 +421,12 @@ def test_fp16_skip_detection_without_step_hooks() -> None:
         optimizer.step()
         assert accel.optimizer_step_was_skipped(duck)
         assert duck.steps == 1
+
+
+def test_scheduler_names_still_import_from_optim() -> None:
+    from accel import optim, scheduling
+
+    assert optim.PreparedScheduler is scheduling.PreparedScheduler
+    assert optim.prepare_scheduler is scheduling.prepare_scheduler
+    with pytest.raises(AttributeError, match="no_such_name"):
+        optim.no_such_name  # noqa: B018
