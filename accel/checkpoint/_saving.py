@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from accel._state import state
-from accel.accumulation import _COUNTER as MODEL_COUNTER
-from accel.accumulation import _SCOPE_COUNTER as SCOPE_COUNTER
+from accel.accumulation import accumulation_step
 from accel.checkpoint import _nodes, _place
 from accel.checkpoint._atomic import remove_dir, replace_dir
 from accel.checkpoint._format import FileRecord, write_bytes
@@ -113,11 +112,6 @@ def _unwrap(obj: Any) -> Any:
     return unwrap_model(obj) if isinstance(obj, nn.Module) else obj
 
 
-def _accumulation_step(holder: dict[str, Any], key: str) -> int | None:
-    value = holder.get(key)
-    return value if isinstance(value, int) else None
-
-
 def _gradients(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
 
@@ -138,7 +132,7 @@ def plan_rank_files(
     """The files this rank writes: the objects (writers), gradients mid-cycle, ``rng``."""
     files: list[PlannedFile] = []
     for name, obj in objects.items():
-        counter = _accumulation_step(obj.__dict__, MODEL_COUNTER) if isinstance(
+        counter = accumulation_step(obj) if isinstance(
             obj, nn.Module) else None
         sharded = plan_sharded(tmp, name, obj, objects, rank, writer, counter)
         if sharded is not None:  # FSDP (DTensor) state: every rank writes its own shards
@@ -148,7 +142,7 @@ def plan_rank_files(
             if writer:
                 files += plan_object(tmp, name, _state_dict_of(name, obj))
             continue
-        step = _accumulation_step(obj.__dict__, MODEL_COUNTER)  # accumulate() counts on it
+        step = accumulation_step(obj)  # accumulate() counts on it
         if step:  # mid-cycle: each rank's local, not yet synced, gradients are state too
             grads = _gradients(_unwrap(obj))
             if grads:
@@ -156,7 +150,7 @@ def plan_rank_files(
         if writer:
             extra = {"accumulation_step": step}
             files += plan_object(tmp, name, _state_dict_of(name, _unwrap(obj)), extra)
-    scope_step = _accumulation_step(scope().extras, SCOPE_COUNTER)
+    scope_step = accumulation_step()
     files += plan_object(tmp, f"rng_rank{rank}", rng, {"accumulation_step": scope_step})
     return files
 
