@@ -12,12 +12,19 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
-from typing import Any, Generic, Literal, NoReturn, TypeVar, get_args
+from typing import Any, Generic, NoReturn, TypeVar
 
 import attrs
 import torch
 
 from accel._env import LaunchEnv, read_launch_env
+from accel._settings import (
+    DEFAULT_TIMEOUT_S,
+    MIXED_PRECISION_MODES,
+    STRATEGIES,
+    MixedPrecision,
+    Strategy,
+)
 from accel.errors import ConfigError, StateFrozenError
 
 __all__ = [
@@ -35,12 +42,8 @@ __all__ = [
     "state",
 ]
 
-MixedPrecision = Literal["no", "fp16", "bf16", "fp8"]
-Strategy = Literal["none", "ddp", "fsdp"]
-
-_MIXED_PRECISION: tuple[str, ...] = get_args(MixedPrecision)
-_STRATEGIES: tuple[str, ...] = get_args(Strategy)
-DEFAULT_TIMEOUT_S = 1800.0
+_MIXED_PRECISION = MIXED_PRECISION_MODES
+_STRATEGIES = STRATEGIES
 
 
 def _frozen_mapping(value: Mapping[str, Any]) -> Mapping[str, Any]:

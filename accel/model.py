@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accel._ddp import DDPOptions, ddp_options, make_ddp, note_ignored
 from accel._ddp_teardown import collect_garbage_at_exit
+from accel._settings import STRATEGIES
 from accel._state import state
 from accel.errors import ArgumentTypeError, ConfigError
 from accel.precision import AutocastForward, autocast_dtype
@@ -28,7 +29,6 @@ __all__ = ["is_prepared", "prepare_model", "unwrap_model"]
 # Attribute names kept in a module's __dict__ (written there directly: nn.Module.__setattr__
 # would register a module value as a submodule, and is slower).
 _PREPARED = "_accel_prepared"  # weakref to the object prepare_model returned
-_STRATEGIES = ("none", "ddp", "fsdp")
 
 
 def is_prepared(model: nn.Module) -> bool:
@@ -52,9 +52,9 @@ def _mark(module: nn.Module, result: nn.Module) -> None:
 
 def _resolve_strategy(strategy: str | None) -> str:
     chosen = state().strategy if strategy is None else strategy
-    if chosen not in _STRATEGIES:
+    if chosen not in STRATEGIES:
         raise ConfigError(
-            f"strategy={chosen!r} is not supported; choose one of {list(_STRATEGIES)}, "
+            f"strategy={chosen!r} is not supported; choose one of {list(STRATEGIES)}, "
             "e.g. `accel.prepare_model(model, strategy='ddp')`."
         )
     return chosen

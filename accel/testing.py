@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from accel._env import environ_snapshot
+from accel._settings import cpu_count
 from accel._state import ProcessState, Scope, set_state
 from accel.errors import CollectiveTimeoutError, ConfigError, RemoteError
 
@@ -65,7 +66,7 @@ def _worker(
     from accel.process_group import distributed
 
     try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, cpu_count() // world_size))
         store = dist.FileStore(store_path, world_size)  # type: ignore[attr-defined]
         dist.init_process_group(
             "gloo",

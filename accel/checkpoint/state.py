@@ -33,6 +33,7 @@ import attrs
 import torch
 from torch import nn
 
+from accel._settings import cpu_count
 from accel._state import has_active_state, scope, state
 from accel.accumulation import set_accumulation_step
 from accel.checkpoint import _nodes, _saving
@@ -272,7 +273,7 @@ def _verify(path: Path, objects: dict[str, Any], rank: int, world_size: int) -> 
     if own:
         wanted.append(f"rng_rank{rank}")
     # Files are mapped and CRC-checked in parallel (zlib releases the GIL).
-    with ThreadPoolExecutor(max_workers=min(len(wanted), os.cpu_count() or 1) or 1) as pool:
+    with ThreadPoolExecutor(max_workers=min(len(wanted), cpu_count()) or 1) as pool:
         loaded = dict(zip(wanted, pool.map(lambda n: read_object(path, n, files), wanted),
                           strict=True))
     resolve(path, files, objects, loaded)  # FSDP: shards <-> full tensors, for each target
