@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from accel._fsdp_params import set_gradient_sync
 from accel._state import scope, state
 from accel.errors import ArgumentTypeError
 from accel.optim import active_scaler
@@ -131,20 +132,34 @@ def _ddp_no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any] | N
         return model.no_sync()
     set_sync = getattr(type(model), "set_requires_gradient_sync", None)
     if set_sync is not None:  # FSDP2 (fully_shard) modules
-        return _fsdp2_sync(model, False)
+        return _FSDP2Sync(model, False)
     return None
 
 
-@contextmanager
-def _fsdp2_sync(model: Any, requires_sync: bool) -> Iterator[None]:
-    # FSDP2 has no getter for the flag; its default (and the state outside these blocks) is
-    # True, so both blocks leave it True.
-    model.set_requires_gradient_sync(requires_sync)
-    try:
-        yield
-    finally:
-        if not requires_sync:
-            model.set_requires_gradient_sync(True)
+class _FSDP2Sync:
+    """Set FSDP2's gradient-sync flag for the block (a class: cheaper than a generator).
+
+    FSDP2 has no getter for the flag; its default (and the state outside these blocks) is
+    True, so both blocks leave it True.
+    """
+
+    __slots__ = ("_model", "_requires_sync")
+
+    def __init__(self, model: nn.Module, requires_sync: bool) -> None:
+        self._model = model
+        self._requires_sync = requires_sync
+
+    def __enter__(self) -> None:
+        set_gradient_sync(self._model, self._requires_sync)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._requires_sync:
+            set_gradient_sync(self._model, True)
 
 
 class _Accumulate:
@@ -294,5 +309,5 @@ def trigger_sync_in_backward(model: nn.Module) -> contextlib.AbstractContextMana
     if isinstance(model, DistributedDataParallel):
         return _ddp_trigger_sync(model)
     if getattr(type(model), "set_requires_gradient_sync", None) is not None:
-        return _fsdp2_sync(model, True)
+        return _FSDP2Sync(model, True)
     return contextlib.nullcontext()
