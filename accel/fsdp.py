@@ -310,7 +310,9 @@ def shard_model(
     shard across (an info note says so, once per process). With several processes, under
     mixed precision trainable bf16/fp16 parameters are first upcast to fp32; then every
     module of :func:`shard_targets` and finally the root get ``fully_shard`` on the mesh, with
-    ``reshard_after_forward``, ``CPUOffloadPolicy`` when ``cpu_offload`` and the
+    ``reshard_after_forward`` (when not given: torch's default, which reshards every block
+    but not the root, whose parameters the backward needs first, so that it is not gathered
+    twice per step), ``CPUOffloadPolicy`` when ``cpu_offload`` and the
     :func:`mixed_precision_policy`. ``fully_shard`` places the shards itself (on the state's
     device, or the CPU with ``cpu_offload``).
 
@@ -341,7 +343,9 @@ def shard_model(
         _upcast_trainable(model)
     kwargs: dict[str, Any] = {
         "mesh": _mesh(st),
-        "reshard_after_forward": options.reshard_after_forward,
+        "reshard_after_forward": (
+            options.reshard_after_forward if "reshard_after_forward" in options.given else None
+        ),
         "offload_policy": (
             CPUOffloadPolicy(pin_memory=st.device.type == "cuda")
             if options.cpu_offload else OffloadPolicy()
