@@ -1,0 +1,106 @@
+"""examples/fsdp.py: trained and saved on 2 CPU processes, resumed on 3, checked on 1.
+
+The 2-process run saves a sharded checkpoint and the full weights (``save_model``) at step 6;
+the 3-process run loads the checkpoint and trains steps 7 and 8. Here, in one plain process:
+
+- the full weights load into a plain ``TinyLM`` and give the evaluation loss the 2-process
+  run printed after saving;
+- the 3-process run's first loss (step 7, before its update) is that plain model's loss on
+  the next three batches (the loader continued where the 2 processes stopped);
+- the checkpoint's model and AdamW state, loaded here into a plain model and optimizer on one
+  process, take the step the 3 processes took (clipping included): the loss on the batches
+  of step 8 equals the one the 3-process run printed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import re
+import subprocess
+import sys
+from types import ModuleType
+
+import pytest
+import torch
+
+import accel
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "fsdp.py"
+BATCH = 4  # the example's default --batch-size (per process)
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("fsdp_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _launch(nproc: int, *args: str, cwd: pathlib.Path) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "accel.launch", "--nproc-per-node", str(nproc), "--cpu",
+         str(EXAMPLE), *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def _losses(stdout: str) -> dict[int, float]:
+    found = re.findall(r"^step (\d+) loss (\d+\.\d+)$", stdout, flags=re.MULTILINE)
+    return {int(step): float(loss) for step, loss in found}
+
+
+def _eval_loss(stdout: str, step: int) -> float:
+    found = re.findall(rf"^eval loss (\d+\.\d+) at step {step}$", stdout, flags=re.MULTILINE)
+    assert len(found) == 1, stdout[-2000:]
+    return float(found[0])
+
+
+@pytest.mark.slow
+def test_fsdp_example_saves_on_two_and_resumes_on_three(tmp_path: pathlib.Path) -> None:
+    ex = _example()
+    out = tmp_path / "run"
+    first = _launch(2, "--output-dir", str(out), "--steps", "6", "--save-at", "6", cwd=tmp_path)
+    assert sorted(_losses(first)) == [1, 2, 3, 4, 5, 6], first[-2000:]  # printed once each
+    saved_eval = _eval_loss(first, 6)
+    second = _launch(3, "--output-dir", str(out), "--resume", "--steps", "8", cwd=tmp_path)
+    assert "resumed from step 6 (saved on 2 processes, running on 3)" in second, second[-2000:]
+    resumed = _losses(second)
+    assert sorted(resumed) == [7, 8], second[-2000:]
+
+    # The full weights written by save_model load into a plain model.
+    from safetensors.torch import load_file
+
+    plain = ex.TinyLM()
+    plain.load_state_dict(load_file(out / "model" / "model.safetensors"))
+    tokens = ex.make_tokens(192, seed=0)
+    # 2 processes x 6 steps = 12 batches done; step 7 takes batches 12-14, step 8 15-17.
+    step7 = tokens[12 * BATCH:15 * BATCH]
+    step8 = tokens[15 * BATCH:18 * BATCH]
+    with torch.no_grad():
+        assert ex.lm_loss(plain, ex.make_tokens(16, seed=1)).item() == pytest.approx(
+            saved_eval, abs=2e-6)
+        assert ex.lm_loss(plain, step7).item() == pytest.approx(resumed[7], abs=2e-6)
+
+    # The sharded checkpoint (model and AdamW moments) loads into a plain model on one process
+    # and takes the same step as the 3 processes did.
+    with accel.distributed():
+        model = ex.TinyLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        with pytest.warns(UserWarning, match="saved by 2 processes and is loaded by 1"):
+            info = accel.load_state(out / "checkpoints", model=model, optimizer=optimizer)
+        assert info is not None and info.step == 6 and info.world_size == 2
+        for name, value in plain.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0)
+        assert optimizer.state_dict()["state"], "the AdamW moments were not loaded"
+        # The 3 processes average their gradients: the mean loss over their 12 sequences.
+        ex.lm_loss(model, step7).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        with torch.no_grad():
+            assert ex.lm_loss(model, step8).item() == pytest.approx(resumed[8], abs=1e-5)
