@@ -10,11 +10,15 @@ the 3-process run loads the checkpoint and trains steps 7 and 8. Here, in one pl
 - the checkpoint's model and AdamW state, loaded here into a plain model and optimizer on one
   process, take the step the 3 processes took (clipping included): the loss on the batches
   of step 8 equals the one the 3-process run printed.
+
+Also a smoke run of bench/fsdp.py with tiny sizes (its JSON holds every figure; it removes its
+checkpoints).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -104,3 +108,29 @@ def test_fsdp_example_saves_on_two_and_resumes_on_three(tmp_path: pathlib.Path) 
         optimizer.step()
         with torch.no_grad():
             assert ex.lm_loss(model, step8).item() == pytest.approx(resumed[8], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_fsdp_bench_smoke_run(tmp_path: pathlib.Path) -> None:
+    bench = EXAMPLE.parents[1] / "bench" / "fsdp.py"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--windows", "2", "--steps", "2", "--step-procs", "2",
+         "--ckpt-width", "64", "--ckpt-blocks", "2", "--repeat", "1", "--dir", str(tmp_path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    for accumulation in (1, 4):
+        steps = report[f"procs=2,accumulation={accumulation}"]
+        assert steps["raw_us"] > 0 and steps["accel_us"] > 0
+        assert isinstance(steps["accel_own_us"], float)
+        assert any("accumulation.py" in row for row in steps["cprofile_top"])
+        assert len(steps["peak_rss_mib"]) == 2
+    ckpt = report["checkpoint"]
+    # 2 x Linear(64, 64): weights, biases and two AdamW moments, 4 bytes each
+    assert ckpt["state_bytes"] == 2 * (64 * 64 + 64) * 3 * 4
+    assert all(size >= ckpt["state_bytes"] for size in ckpt["files_bytes"].values())
+    assert set(ckpt["seconds_median"]) == {"accel_save", "accel_load", "dcp_save", "dcp_load"}
+    assert ckpt["ratios"]["save_accel_vs_dcp"] > 0 and ckpt["ratios"]["load_accel_vs_dcp"] > 0
+    assert list(tmp_path.iterdir()) == []  # the bench removed its checkpoints
