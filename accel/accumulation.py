@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from accel._fsdp_params import set_gradient_sync
 from accel._state import scope, state
 from accel.errors import ArgumentTypeError
+from accel.model import _compiled_inner
 from accel.optim import active_scaler
 
 __all__ = [
@@ -133,7 +134,8 @@ def _ddp_no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any] | N
     set_sync = getattr(type(model), "set_requires_gradient_sync", None)
     if set_sync is not None:  # FSDP2 (fully_shard) modules
         return _FSDP2Sync(model, False)
-    return None
+    inner = _compiled_inner(model)  # prepare_model(compile=True): the wrapper is inside
+    return None if inner is None else _ddp_no_sync(inner)
 
 
 class _FSDP2Sync:
@@ -247,7 +249,8 @@ def accumulate(*models: nn.Module) -> contextlib.AbstractContextManager[bool]:
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
     """Turn off gradient synchronisation across ranks for ``model`` in the block.
 
-    DDP models use :meth:`DistributedDataParallel.no_sync`, FSDP2 modules
+    DDP models use :meth:`DistributedDataParallel.no_sync` (also inside a
+    ``prepare_model(compile=True)`` result), FSDP2 modules
     ``set_requires_gradient_sync(False)``; on other modules (one process) it does nothing.
     Gradients accumulate locally; the next backward outside the block synchronises them.
 
@@ -306,6 +309,9 @@ def trigger_sync_in_backward(model: nn.Module) -> contextlib.AbstractContextMana
         ...     accel.backward(loss_b)                  # all-reduces the sum
     """
     _require_module("trigger_sync_in_backward", model)
+    inner = _compiled_inner(model)
+    if inner is not None:  # prepare_model(compile=True): the wrapper is inside
+        model = inner
     if isinstance(model, DistributedDataParallel):
         return _ddp_trigger_sync(model)
     if getattr(type(model), "set_requires_gradient_sync", None) is not None:
