@@ -19,12 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from accel._state import state
+from accel.accumulation import no_sync
 from accel.collectives import begin
 from accel.errors import ConfigError
-from accel.model import _compiled_inner, _prepared_result
+from accel.model import _prepared_result
 
 __all__ = ["LocalSGD"]
 
@@ -72,18 +72,6 @@ def _resolve_model(model: object) -> nn.Module:
         )
     prepared = _prepared_result(model)  # the original module of a prepared model works too
     return prepared if prepared is not None else model
-
-
-def _ddp_of(model: nn.Module) -> DistributedDataParallel | None:
-    """The DDP wrapper of ``model`` (through ``torch.compile``), if it has one."""
-    current = model
-    while True:
-        if isinstance(current, DistributedDataParallel):
-            return current
-        inner = _compiled_inner(current)
-        if inner is None:
-            return None
-        current = inner
 
 
 def _refuse_sharding(model: nn.Module, strategy: str) -> None:
@@ -196,12 +184,10 @@ class LocalSGD:
         self._no_sync: contextlib.AbstractContextManager[Any] | None = None
 
     def __enter__(self) -> LocalSGD:
-        if self.enabled:
-            ddp = _ddp_of(self.model)
-            if ddp is not None:
-                context = ddp.no_sync()
-                context.__enter__()
-                self._no_sync = context
+        if self.enabled:  # DDP's no_sync, also through torch.compile (accel.no_sync)
+            context = no_sync(self.model)
+            context.__enter__()
+            self._no_sync = context
         return self
 
     def __exit__(
