@@ -25,7 +25,6 @@ import os
 import pickle
 import re
 import warnings
-import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from accel._state import scope
 from accel.checkpoint._fit import check_fits
 from accel.checkpoint._layout import MANIFEST
 from accel.checkpoint._stream import read_weights
+from accel.checkpoint._torch_zip import is_zip, opened_torch_file
 from accel.checkpoint.state import CheckpointInfo, _agree, _describe, _load_into, _unwrap
 from accel.collectives import gather_object
 from accel.errors import CheckpointError
@@ -141,9 +141,12 @@ def _numbered(stem: str, index: int, suffix: str) -> str:
 def _torch_file(path: Path, name: str) -> Any:
     """``torch.load(weights_only=True)`` of one file, errors as :class:`CheckpointError`."""
     try:
-        return torch.load(
-            path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
-        )
+        with opened_torch_file(path) as (file, own):  # a zip is checked before it is mapped
+            zipped = is_zip(file)
+            return torch.load(own if zipped else file, map_location="cpu",
+                              weights_only=True, mmap=zipped)
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as exc:
         flat = " ".join(str(exc).split())
         reason = re.sub(r".*WeightsUnpickler error:\s*", "", flat).split(" Check the doc")[0]
@@ -236,12 +239,16 @@ def _read_sampler(path: Path, file: str, name: str) -> int:
     """The ``epoch`` of the ``SeedableRandomSampler`` pickled in ``file``, read inertly."""
     where = path / file
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(where)
-        stand_ins: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
-            (type("StandIn", (_StandIn,), {"qualname": n}), n) for n in names
-        ]
-        with torch.serialization.safe_globals(stand_ins):
-            loaded = torch.load(where, map_location="cpu", weights_only=True)
+        with opened_torch_file(where) as (opened, _):  # a zip is checked before torch reads it
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(opened)
+            stand_ins: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
+                (type("StandIn", (_StandIn,), {"qualname": n}), n) for n in names
+            ]
+            opened.seek(0)
+            with torch.serialization.safe_globals(stand_ins):
+                loaded = torch.load(opened, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(
             f"{os.fspath(where)!r} (the sampler of {name}=) could not be read without running "

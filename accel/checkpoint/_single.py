@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+import stat
 import struct
 import warnings
 from collections.abc import Mapping
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from accel.checkpoint._format import _NAMES, map_safetensors, write_safetensors
+from accel.checkpoint._torch_zip import opened_torch_file
 from accel.errors import CheckpointArgumentError, CheckpointError, ConfigError
 
 __all__ = ["check_flat_tensors", "read_file", "wants_safetensors", "write_torch"]
@@ -186,7 +188,13 @@ def _device(map_location: object) -> torch.device:
 
 def _kind(path: Path) -> str:
     """``"safetensors"``, ``"torch"`` or ``"unknown"``, from the first bytes of the file."""
-    size = path.stat().st_size
+    status = path.stat()
+    if not stat.S_ISREG(status.st_mode):  # a FIFO would block, a device never end
+        raise CheckpointError(
+            f"accel.load({os.fspath(path)!r}) reads a regular file, but that is a special "
+            "file (a FIFO, device or socket). Point to the checkpoint file itself."
+        )
+    size = status.st_size
     with open(path, "rb") as f:
         head = f.read(9)
     if len(head) == 9:
@@ -260,10 +268,13 @@ def read_file(path: Path, map_location: object) -> Any:
             "corrupted or another kind of file. Write it again with accel.save."
         )
     try:
-        # an open file, not the path: torch would read any *.safetensors name as safetensors
-        with open(path, "rb") as f, warnings.catch_warnings():
+        # an open file, not the path: torch would read any *.safetensors name as safetensors;
+        # a zip is checked first (stored members of the declared sizes: no zip bomb)
+        with opened_torch_file(path) as (f, _), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected pickle protocol")  # plain pickle
             return torch.load(f, map_location=device, weights_only=True)
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
             f"accel.load({where!r}) refused the file: torch.load(weights_only=True) cannot "

@@ -18,7 +18,9 @@ then reads the files one after the other and puts each tensor in its place:
   is written to the offload folder as safetensors instead.
 
 Torch files are always read with ``weights_only=True``: a file holding anything but tensors
-and plain containers is refused before any code in it could run.
+and plain containers is refused before any code in it could run. A torch zip is checked before
+it is mapped (:mod:`accel.checkpoint._torch_zip`): compressed members, or members whose sizes
+differ from what the pickle declares, would map as wrong values and are refused.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import os
 import pickle
 import re
 import warnings
-import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from accel.checkpoint._format import read_safetensors
+from accel.checkpoint._torch_zip import is_zip, opened_torch_file
 from accel.errors import CheckpointError, DeviceMapError
 
 __all__ = [
@@ -219,7 +221,9 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 
     A ``.safetensors`` file is mapped and its header checked; any other file is read with
     ``torch.load(weights_only=True, mmap=True)`` (a torch file older than the zip format,
-    which cannot be mapped, is read whole). Nothing is read until a tensor is used.
+    which cannot be mapped, is read whole), after its zip directory is checked (every member
+    stored, of the size its ``data.pkl`` declares: a map never reads the wrong bytes).
+    Nothing is read until a tensor is used.
 
     Raises:
         CheckpointError: the file is missing, corrupted, refused, or not a dict of tensors.
@@ -232,9 +236,12 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         return read_safetensors(path)[0]
     try:
-        loaded = torch.load(
-            path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
-        )
+        with opened_torch_file(path) as (file, own):  # a zip is checked before it is mapped
+            zipped = is_zip(file)
+            loaded = torch.load(own if zipped else file, map_location="cpu",
+                                weights_only=True, mmap=zipped)
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as exc:
         raise _refused(path, exc) from None
     except Exception as exc:  # the unpickler reports damaged files with many error types

@@ -1,0 +1,313 @@
+"""Checking a torch (zip) file before torch reads or maps it.
+
+``torch.save`` writes a zip archive whose members are all *stored* (never compressed):
+``ARCHIVE/data.pkl`` (the pickled object, whose tensors name their storages by key) and one
+member ``ARCHIVE/data/KEY`` per storage holding its raw bytes. ``torch.load(mmap=True)``
+maps the whole file and takes each storage from the member's offset, trusting the pickle's
+size and ignoring the member's compression and size; a plain ``torch.load`` inflates
+compressed members into memory sized by what the pickle declares. So a hostile file either
+loads wrong bytes (a compressed or shortened member) or allocates what it likes (a "zip
+bomb").
+
+:func:`check_torch_zip` refuses such a file before anything is decompressed, allocated or
+mapped. It reads only the zip's central directory, each member's local header and
+``data.pkl`` (small: it holds no tensor data), and checks:
+
+* every member is stored uncompressed, unencrypted, its local header agrees with the
+  central directory, and its bytes lie inside the file without overlapping another member;
+* every storage the pickle declares has its member, holding exactly the declared number of
+  bytes (the storage type's element size times its element count).
+
+The pickle is read by an unpickler that builds nothing: every global it names becomes an
+inert stand-in and storages are only recorded, so no code of the file runs here either.
+:func:`opened_torch_file` opens a file once (regular files only, without blocking on a
+FIFO), checks it when it is a zip, and hands torch a path to that same open file, so what
+was checked is what torch reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import os
+import pickle
+import stat
+import struct
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from accel.errors import CheckpointError
+
+__all__ = ["check_torch_zip", "is_zip", "opened_torch_file"]
+
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header, before name and extra
+_LOCAL_MAGIC = b"PK\x03\x04"
+_ENCRYPTED = 0x1
+_DESCRIPTOR = 0x8  # sizes and CRC follow the data; the local header may hold zeros
+_UTF8 = 0x800
+_MAX_GLOBALS = 4096  # distinct globals a data.pkl may name (torch's use a handful)
+_MAX_NUMEL = 1 << 62
+
+
+def _storage_sizes() -> dict[tuple[str, str], int]:
+    """Element size of each storage type a weights-only torch file may name: the legacy
+    typed storages (also as ``torch.cuda``'s, in files older than torch 2) and the untyped
+    one (one byte: its element count is its size)."""
+    dtypes = {
+        "Double": torch.float64, "Float": torch.float32, "Half": torch.float16,
+        "BFloat16": torch.bfloat16, "Long": torch.int64, "Int": torch.int32,
+        "Short": torch.int16, "Char": torch.int8, "Byte": torch.uint8, "Bool": torch.bool,
+        "ComplexDouble": torch.complex128, "ComplexFloat": torch.complex64,
+        "QInt8": torch.qint8, "QInt32": torch.qint32, "QUInt8": torch.quint8,
+        "QUInt4x2": torch.quint4x2, "QUInt2x4": torch.quint2x4,
+    }
+    sizes = {("torch.storage", "UntypedStorage"): 1}
+    for module in ("torch", "torch.cuda"):
+        sizes.update({(module, f"{n}Storage"): d.itemsize for n, d in dtypes.items()})
+    return sizes
+
+
+_SIZES = _storage_sizes()
+
+
+def _refuse(where: str, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{where!r} is not a torch file accel reads: {what}. torch.save writes every member "
+        "stored (uncompressed) with exactly the bytes its data.pkl declares, so the file was "
+        "made or altered by something else and would load wrong values or unbounded memory. "
+        "Write it again from its source with torch.save or accel.save."
+    )
+
+
+class _StandIn:
+    """What every global of the inspected pickle becomes: accepts anything, runs nothing."""
+
+    where: tuple[str, str] = ("", "")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _StandIn:
+        del args, kwargs
+        return super().__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        del args, kwargs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _StandIn:
+        del args, kwargs
+        return _StandIn()
+
+    def __setstate__(self, state: Any) -> None:
+        del state
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        del key, value
+
+    def append(self, value: Any) -> None:
+        del value
+
+    def extend(self, values: Any) -> None:
+        del values
+
+    def add(self, value: Any) -> None:
+        del value
+
+
+class _Inspector(pickle.Unpickler):
+    """Reads a ``data.pkl`` for the storages it declares: key -> bytes."""
+
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self.where = where
+        self.globals: dict[tuple[str, str], type[_StandIn]] = {}
+        self.storages: dict[str, int] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self.globals.get((module, name))
+        if found is None:
+            if len(self.globals) >= _MAX_GLOBALS:
+                raise _refuse(self.where, f"its data.pkl names over {_MAX_GLOBALS} globals")
+            found = type("StandIn", (_StandIn,), {"where": (module, name)})
+            self.globals[(module, name)] = found
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not isinstance(pid, tuple) or len(pid) != 5 or _text(pid[0]) != "storage":
+            raise _refuse(self.where, f"its data.pkl holds the unknown reference {pid!r:.80}")
+        kind, key, numel = pid[1], _text(pid[2]), pid[4]
+        where = getattr(kind, "where", None) if isinstance(kind, type) else None
+        itemsize = _SIZES.get(where) if isinstance(where, tuple) else None
+        if itemsize is None:
+            raise _refuse(self.where, f"its data.pkl names the unknown storage type {kind!r:.80}")
+        if key is None or type(numel) is not int or not 0 <= numel <= _MAX_NUMEL:
+            raise _refuse(
+                self.where, f"its data.pkl declares a storage as {pid[2]!r:.40} of {numel!r:.40} "
+                "elements"
+            )
+        nbytes = numel * itemsize
+        if self.storages.setdefault(key, nbytes) != nbytes:
+            raise _refuse(
+                self.where, f"its data.pkl declares storage {key!r} as both "
+                f"{self.storages[key]} and {nbytes} bytes"
+            )
+        return _StandIn()
+
+
+def _text(value: object) -> str | None:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("ascii")
+        except UnicodeDecodeError:
+            return None
+    return value if isinstance(value, str) else None
+
+
+def _read_at(file: IO[bytes], offset: int, size: int) -> bytes:
+    file.seek(offset)
+    data = file.read(size)
+    return data if data is not None else b""
+
+
+def _data_range(file: IO[bytes], info: zipfile.ZipInfo, where: str) -> tuple[int, int]:
+    """Where ``info``'s bytes lie, after checking its local header against the directory."""
+    name = info.filename
+    if info.flag_bits & _ENCRYPTED:
+        raise _refuse(where, f"member {name!r} is encrypted")
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise _refuse(where, f"member {name!r} is compressed (zip method {info.compress_type})")
+    if info.compress_size != info.file_size:
+        raise _refuse(
+            where, f"member {name!r} is stored in {info.compress_size} bytes but declares "
+            f"{info.file_size}"
+        )
+    header = _read_at(file, info.header_offset, _LOCAL.size)
+    if len(header) != _LOCAL.size:
+        raise _refuse(where, f"the local header of member {name!r} lies past the end")
+    magic, _, flags, method, _, _, _, packed, size, name_len, extra_len = _LOCAL.unpack(header)
+    raw_name = _read_at(file, info.header_offset + _LOCAL.size, name_len)
+    local_name = raw_name.decode("utf-8" if flags & _UTF8 else "cp437", errors="replace")
+    sizes_agree = (flags & _DESCRIPTOR and packed == size == 0) or (
+        packed in (info.compress_size, 0xFFFFFFFF) and size in (info.file_size, 0xFFFFFFFF)
+    )
+    if magic != _LOCAL_MAGIC or method != zipfile.ZIP_STORED or local_name != info.orig_filename:
+        raise _refuse(where, f"the local header of member {name!r} disagrees with the directory")
+    if not sizes_agree or flags & _ENCRYPTED:
+        raise _refuse(where, f"the local header of member {name!r} disagrees with the directory")
+    start = info.header_offset + _LOCAL.size + name_len + extra_len
+    return start, start + info.compress_size
+
+
+def check_torch_zip(file: IO[bytes], where: str) -> None:
+    """Refuse a torch zip file that is compressed, inconsistent or declares other sizes.
+
+    ``file`` is open for reading (its position is changed); ``where`` names it in messages.
+    Reads the zip directory, the local headers and ``data.pkl``; decompresses nothing.
+
+    Raises:
+        CheckpointError: not a zip torch can read, a member compressed, encrypted, out of
+            the file, overlapping another or disagreeing with its local header, a storage
+            missing or not of the size ``data.pkl`` declares (names the member).
+    """
+    try:
+        with zipfile.ZipFile(file) as archive:
+            infos, directory = archive.infolist(), archive.start_dir
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, struct.error) as exc:
+        raise CheckpointError(
+            f"{where!r} is truncated, corrupted or unreadable: it starts like torch's zip "
+            f"format but its zip directory cannot be read ({exc}). Write it again."
+        ) from None
+    if not infos or "/" not in infos[0].filename:
+        raise _refuse(where, "its first member is not in an archive folder (ARCHIVE/data.pkl)")
+    members: dict[str, tuple[int, int]] = {}
+    spans: list[tuple[int, int, str]] = []
+    for info in infos:
+        folded = info.filename.lower()  # torch's zip reader finds names ignoring case
+        if folded in members:
+            raise _refuse(where, f"member {info.filename!r} appears twice")
+        start, end = _data_range(file, info, where)
+        members[folded] = (start, end)
+        spans.append((info.header_offset, end, info.filename))
+    spans.sort()
+    for (_, end, name), (start, _, other) in itertools.pairwise(spans):
+        if start < end:
+            raise _refuse(where, f"members {name!r} and {other!r} overlap")
+    if spans[-1][1] > directory:
+        raise _refuse(where, f"member {spans[-1][2]!r} runs into the zip directory or past the end")
+    archive_dir = infos[0].filename.split("/", 1)[0]
+    pickled = members.get(f"{archive_dir}/data.pkl".lower())
+    if pickled is None:
+        raise _refuse(where, f"it has no member {archive_dir + '/data.pkl'!r}")
+    data = _read_at(file, pickled[0], pickled[1] - pickled[0])
+    inspector = _Inspector(data, where)
+    try:
+        inspector.load()
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a damaged pickle fails with many error types
+        raise _refuse(where, f"its data.pkl cannot be read ({type(exc).__name__}: {exc})") from None
+    for key, nbytes in inspector.storages.items():
+        name = f"{archive_dir}/data/{key}"
+        found = members.get(name.lower())
+        if found is None:
+            raise _refuse(where, f"its data.pkl needs member {name!r}, which is missing")
+        if found[1] - found[0] != nbytes:
+            raise _refuse(
+                where, f"member {name!r} holds {found[1] - found[0]} bytes but data.pkl "
+                f"declares {nbytes}"
+            )
+
+
+@contextlib.contextmanager
+def opened_torch_file(path: Path, where: str | None = None) -> Iterator[tuple[IO[bytes], Path]]:
+    """Open ``path`` once, check it (:func:`check_torch_zip`) when it is a zip, and give the
+    open file and a path to *that* file for ``torch.load`` (``/proc/self/fd/N`` on Linux,
+    so a file swapped in after the check is not what torch reads; else ``path``).
+
+    The file is opened without blocking (a FIFO is refused, not waited on) and must be a
+    regular file. The file's position is at its start when given.
+
+    Raises:
+        CheckpointError: the file is not a regular file, or the zip check fails.
+        OSError: the file cannot be opened (the caller says which file was wanted).
+    """
+    where = os.fspath(path) if where is None else where
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(
+                f"{where!r} is not a regular file (it is a {_kind_of(mode)}); a weights file "
+                "must be a plain file. Point to the file itself."
+            )
+        os.set_blocking(fd, True)
+        file = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with file:
+        if is_zip(file):
+            check_torch_zip(file, where)
+        file.seek(0)
+        own = Path(f"/proc/self/fd/{file.fileno()}")
+        yield file, own if own.exists() else path
+
+
+def is_zip(file: IO[bytes]) -> bool:
+    """Whether the open ``file`` starts like a zip archive (torch's test; position kept)."""
+    position = file.tell()
+    try:
+        return _read_at(file, 0, 4) == _LOCAL_MAGIC
+    finally:
+        file.seek(position)
+
+
+def _kind_of(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
