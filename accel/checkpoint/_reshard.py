@@ -35,6 +35,14 @@ from accel.checkpoint._sharded import (
     holds_dtensors,
     owner_model,
 )
+from accel.checkpoint._ties import (
+    PARAM_NAMES,
+    by_names,
+    match_names,
+    names_by_param,
+    owner,
+    untie,
+)
 from accel.errors import CheckpointError
 from accel.model import unwrap_model
 
@@ -174,14 +182,9 @@ def _module_state(name: str, module: nn.Module, saved: Any, pieces: _Pieces | No
     return out
 
 
-def _param_names(name: str, optimizer: Any, objects: Mapping[str, Any]) -> dict[int, str]:
-    model = owner_model(name, optimizer, objects, "load_state")
-    return {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-
-
 def _optimizer_state(
-    name: str, optimizer: Any, saved: Any, by_name: bool, pieces: _Pieces | None,
-    objects: Mapping[str, Any],
+    name: str, optimizer: Any, saved: Any, extra: Mapping[str, Any], model: nn.Module | None,
+    pieces: _Pieces | None,
 ) -> Any:
     groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
     state = saved.get("state") if isinstance(saved, Mapping) else None
@@ -191,19 +194,22 @@ def _optimizer_state(
     ):
         return saved  # check_fits says what is wrong
     cls = dtensor_type()
-    names = _param_names(name, optimizer, objects) if by_name else {}
+    by_name = model is not None
+    used: set[Any] = set()
     new_state: dict[Any, Any] = {}
     new_groups = []
     index = 0
     for number, (group, own) in enumerate(zip(groups, own_groups, strict=True)):
         saved_ids = list(group.get("params", [])) if isinstance(group, Mapping) else []
         params = own["params"]
-        if by_name:
-            wanted = [names.get(id(p)) for p in params]
-            if sorted(map(str, wanted)) != sorted(map(str, saved_ids)):
+        if model is not None:
+            wanted = match_names(saved_ids, params, model, extra)
+            if None in wanted or set(wanted) != set(map(str, saved_ids)):
+                first = names_by_param(model)
+                own_names = [first.get(id(p), ["?"])[0] for p in params]
                 raise CheckpointError(
                     f"The checkpoint's optimizer {name!r} has parameters {saved_ids[:6]} in "
-                    f"group {number}, the optimizer passed as {name}= has {wanted[:6]}. Create "
+                    f"group {number}, the optimizer passed as {name}= has {own_names[:6]}. Create "
                     "the optimizer over the same parameters, in the same groups."
                 )
             keys: list[Any] = wanted
@@ -220,13 +226,19 @@ def _optimizer_state(
             if not isinstance(entry, Mapping):
                 continue
             like = param if cls is not None and isinstance(param, cls) else None
+            again = key in used  # one saved tensor for two untied parameters: copy it
+            used.add(key)
             new_state[slot] = {
-                k: _convert(v, like if _param_shaped(v, param, pieces) else None, pieces,
-                            f"The checkpoint's {name} state {k!r} of {key!r}")
+                k: _copy(_convert(v, like if _param_shaped(v, param, pieces) else None, pieces,
+                                  f"The checkpoint's {name} state {k!r} of {key!r}"), again)
                 for k, v in entry.items()
             }
         new_groups.append({**group, "params": ids})
     return {**saved, "state": new_state, "param_groups": new_groups}
+
+
+def _copy(value: Any, again: bool) -> Any:
+    return value.clone() if again and isinstance(value, torch.Tensor) else value
 
 
 def _param_shaped(value: Any, param: Any, pieces: _Pieces | None) -> bool:
@@ -261,12 +273,25 @@ def resolve(
         meta = extra.get("sharded")
         by_name = bool(extra.get("fqn_keys"))
         module = unwrap_model(obj) if isinstance(obj, nn.Module) else None
+        if module is not None and isinstance(saved, Mapping):
+            saved = untie(module, saved, extra)  # tied names: each as the target names it
+        model: nn.Module | None = None
+        if by_name:
+            model = owner_model(name, obj, objects, "load_state")
+        elif module is None and PARAM_NAMES in extra:  # positions + names: match by name
+            model = owner(obj, objects)
+            keyed = by_names(saved, extra) if model is not None else None
+            if keyed is not None:
+                saved, by_name = keyed, True
+            else:
+                model = None
         params = module.parameters() if module is not None else _optimizer_params(obj)
         if meta is None and not by_name and not holds_dtensors(params):
+            loaded[name] = (saved, extra)
             continue
         pieces = _Pieces(path, name, files, meta) if meta is not None else None
         if module is not None:
             saved = _module_state(name, module, saved, pieces)
         elif isinstance(getattr(obj, "param_groups", None), list):
-            saved = _optimizer_state(name, obj, saved, by_name, pieces, objects)
+            saved = _optimizer_state(name, obj, saved, extra, model, pieces)
         loaded[name] = (saved, extra)

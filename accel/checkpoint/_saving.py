@@ -33,6 +33,7 @@ from accel.checkpoint._format import FileRecord, write_bytes
 from accel.checkpoint._layout import FORMAT, MANIFEST
 from accel.checkpoint._objects import plan_object
 from accel.checkpoint._sharded import plan_sharded
+from accel.checkpoint._ties import TIED, optimizer_names, split_ties
 from accel.checkpoint._writer import PlannedFile
 from accel.collectives import gather_object
 from accel.errors import AccelError, CheckpointError
@@ -139,8 +140,9 @@ def plan_rank_files(
             files += sharded
             continue
         if not isinstance(obj, nn.Module):
-            if writer:
-                files += plan_object(tmp, name, _state_dict_of(name, obj))
+            if writer:  # an optimizer also records its parameters' names (ties, reordering)
+                extra = optimizer_names(obj, objects) or None
+                files += plan_object(tmp, name, _state_dict_of(name, obj), extra)
             continue
         step = accumulation_step(obj)  # accumulate() counts on it
         if step:  # mid-cycle: each rank's local, not yet synced, gradients are state too
@@ -148,8 +150,12 @@ def plan_rank_files(
             if grads:
                 files += plan_object(tmp, f"{name}{GRADS}_rank{rank}", grads)
         if writer:
-            extra = {"accumulation_step": step}
-            files += plan_object(tmp, name, _state_dict_of(name, _unwrap(obj)), extra)
+            module = _unwrap(obj)
+            weights, tied = split_ties(module, _state_dict_of(name, module))
+            model_extra: dict[str, Any] = {"accumulation_step": step}
+            if tied:
+                model_extra[TIED] = tied
+            files += plan_object(tmp, name, weights, model_extra)
     scope_step = accumulation_step()
     files += plan_object(tmp, f"rng_rank{rank}", rng, {"accumulation_step": scope_step})
     return files

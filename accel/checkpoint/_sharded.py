@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from accel.checkpoint._objects import plan_object
+from accel.checkpoint._ties import TIED, tie_map
 from accel.checkpoint._writer import PlannedFile
 from accel.errors import AccelError, CheckpointArgumentError, CheckpointError
 from accel.model import unwrap_model
@@ -234,8 +235,14 @@ def plan_sharded(
     cls = dtensor_type()
     if cls is None:  # unreachable: holds_dtensors found one
         return None
+    state_dict = _state_of(name, target, model)
+    tied = tie_map(target if model is None else model)
+    if model is None:  # a tied tensor is stored once, under its first name
+        state_dict = {k: v for k, v in state_dict.items() if k not in tied}
+    if tied:  # the optimizer's state is keyed by first names already (torch's FQNs)
+        extra[TIED] = tied
     dtensors: dict[str, Any] = {}
-    skeleton = _split(_state_of(name, target, model), cls, dtensors)
+    skeleton = _split(state_dict, cls, dtensors)
     files: list[PlannedFile] = []
     if writer:
         extra["sharded"] = {
