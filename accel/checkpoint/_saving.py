@@ -28,6 +28,7 @@ from torch import nn
 from accel._state import state
 from accel.accumulation import accumulation_step
 from accel.checkpoint import _nodes, _place
+from accel.checkpoint._agreement import Call, settle
 from accel.checkpoint._atomic import remove_dir, replace_dir
 from accel.checkpoint._format import FileRecord, write_bytes
 from accel.checkpoint._layout import FORMAT, MANIFEST
@@ -72,36 +73,49 @@ def start(
     total_limit: int | None,
     each: bool,
     names: list[str],
+    call: Call,
+    own: AccelError | None = None,
 ) -> SaveJob:
     """Lock and prepare the place (writers), agree on the temporary directory (every rank).
 
+    ``call`` (this rank's arguments, see :mod:`~accel.checkpoint._agreement`) rides on the
+    same collective: ranks that passed different arguments, or whose arguments failed
+    (``own``, this rank's argument error: then this rank prepares nothing), raise together.
+
     Raises:
-        CheckpointError: on every rank, when any writer could not prepare its place.
+        CheckpointError: on every rank, when the ranks' arguments differ or any writer could
+            not prepare its place.
     """
     st = state()
     writer, group = _nodes.writes(each), _nodes.group_of(each)
-    root = Path(directory)
+    where = os.fspath(directory) if own is None else ""
+    root = Path(where)
     numbered = step is not None
     final = root / f"checkpoint_{step}" if numbered else root
-    where = os.fspath(directory)
     held = ExitStack()
     with held:
         name: str | None = None
         problem: str | None = None
-        if writer:
+        if writer and own is None:
             try:
                 held.enter_context(_place.lock(root, numbered, where, each))
                 name = _place.prepare_target(directory, final, numbered).name
             except Exception as exc:  # every rank must hear of it, not wait for a timeout
                 problem = describe(exc)
         save_id = uuid.uuid4().hex if st.is_main_process else None
-        problems, tmp_name, save_id = _nodes.settle_start(
-            gather_object((group, writer, name, problem, save_id)), group
-        )
-        if problems or tmp_name is None:
+        gathered = gather_object(((group, writer, name, problem, save_id), call))
+        try:
+            # first: a mismatch of the ranks' arguments explains anything else
+            settle("save_state", [c for _, c in gathered], own, "nothing was written")
+            problems, tmp_name, save_id = _nodes.settle_start([e for e, _ in gathered], group)
+            if problems or tmp_name is None:
+                raise CheckpointError(
+                    "; ".join(problems) or f"save_state({where!r}) failed to start."
+                )
+        except Exception:
             if name is not None:  # this machine got ready, another did not
                 remove_dir(final.with_name(name), owner=final)
-            raise CheckpointError("; ".join(problems) or f"save_state({where!r}) failed to start.")
+            raise
         return SaveJob(
             where=where, root=root, final=final, tmp=final.with_name(tmp_name), step=step,
             total_limit=total_limit, writer=writer, group=group, names=names,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from accel._settings import cpu_count
 from accel._state import has_active_state, scope, state
 from accel.accumulation import set_accumulation_step
 from accel.checkpoint import _nodes, _saving
+from accel.checkpoint._agreement import call_of, settle
 from accel.checkpoint._async import finish_pending, launch
 from accel.checkpoint._fit import check_fits
 from accel.checkpoint._format import FileRecord
@@ -130,6 +132,45 @@ def _describe(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, AccelError) else f"{type(exc).__name__}: {exc}"
 
 
+def _shown(normalise: Callable[[Any], Any], value: Any) -> Any:
+    """``value`` as ``normalise`` reads it (``5`` for ``numpy.int64(5)``), else as given."""
+    try:
+        return normalise(value)
+    except AccelError:
+        return value
+
+
+def _check_save_arguments(
+    directory: str | os.PathLike[str], step: object, total_limit: object, async_save: object,
+    on_each_node: object, objects: dict[str, Any],
+) -> tuple[int | None, bool]:
+    """The step and ``on_each_node`` of a valid ``save_state`` call; raise for an invalid one.
+
+    Depends only on the arguments (and the models' sharding), so ranks that passed the same
+    arguments raise alike.
+    """
+    _require_objects(objects, "save_state", directory)
+    checked = check_step(step)
+    _check_objects(objects, "save_state")
+    if total_limit is not None and (
+        checked is None or isinstance(total_limit, bool) or not isinstance(total_limit, int)
+        or total_limit < 1
+    ):
+        raise CheckpointError(
+            f"total_limit={total_limit!r} needs `step=` (it rotates `checkpoint_N` "
+            "directories) and must be >= 1, e.g. `save_state(root, step=i, total_limit=3, ...)`."
+        )
+    if not isinstance(async_save, bool) or (async_save and not has_active_state()):
+        raise CheckpointArgumentError(
+            f"save_state(async_save={async_save!r}) takes True or False, and True needs a "
+            "`with accel.distributed():` block (its end waits for the background write). "
+            "Save inside the block, or call `save_state(..., async_save=False)`."
+        )
+    each = _nodes.resolve(on_each_node, "save_state")
+    check_layout(objects, each, "save_state")  # FSDP shards need one shared copy
+    return checked, each
+
+
 def save_state(
     directory: str | os.PathLike[str],
     *,
@@ -173,39 +214,37 @@ def save_state(
 
     Raises:
         CheckpointArgumentError: no object was named (it would save only RNG states).
-        CheckpointError: on every rank at once, when an argument is invalid, the directory
-            holds foreign entries, another writer holds its lock, or any rank failed.
+        CheckpointError: on every rank at once, when an argument is invalid, the ranks passed
+            different arguments (directory, step, object names and kinds, options: each rank's
+            values are named, nothing is written), the directory holds foreign entries,
+            another writer holds its lock, or any rank failed.
 
     Example:
         >>> accel.save_state("ckpt", step=100, total_limit=3, model=model, optimizer=opt,
         ...                  scheduler=sched, train_loader=loader)
         PosixPath('ckpt/checkpoint_100')
     """
-    _require_objects(objects, "save_state", directory)
     begin("save_state")
-    step = check_step(step)
-    _check_objects(objects, "save_state")
-    if total_limit is not None and (
-        step is None or not isinstance(total_limit, int) or total_limit < 1
-    ):
-        raise CheckpointError(
-            f"total_limit={total_limit!r} needs `step=` (it rotates `checkpoint_N` "
-            "directories) and must be >= 1, e.g. `save_state(root, step=i, total_limit=3, ...)`."
-        )
-    if not isinstance(async_save, bool) or (async_save and not has_active_state()):
-        raise CheckpointArgumentError(
-            f"save_state(async_save={async_save!r}) takes True or False, and True needs a "
-            "`with accel.distributed():` block (its end waits for the background write). "
-            "Save inside the block, or call `save_state(..., async_save=False)`."
-        )
-    finish_pending()  # an earlier asynchronous save completes (or fails) first
     st = state()
-    each = _nodes.resolve(on_each_node, "save_state")
-    check_layout(objects, each, "save_state")  # FSDP shards need one shared copy
     scaler = scope().grad_scaler
-    if scaler is not None:
+    own: AccelError | None = None
+    try:  # arguments only: every rank that passed the same ones meets the same error
+        checked_step, each = _check_save_arguments(
+            directory, step, total_limit, async_save, on_each_node, objects
+        )
+    except AccelError as exc:
+        if st.world_size == 1:
+            raise
+        own, checked_step, each = exc, None, st.on_each_node  # told to every rank in start()
+    call = call_of(directory, objects, {
+        "step": _shown(check_step, step), "total_limit": total_limit, "async_save": async_save,
+        "on_each_node": _shown(lambda v: _nodes.resolve(v, "save_state"), on_each_node),
+        "grad_scaler": scaler is not None,
+    }, own, machine=st.node_rank if each else None)
+    finish_pending()  # an earlier asynchronous save completes (or fails) first
+    if scaler is not None and own is None:
         objects = {**objects, GRAD_SCALER: scaler}
-    job = _saving.start(directory, step, total_limit, each, list(objects))
+    job = _saving.start(directory, checked_step, total_limit, each, list(objects), call, own)
 
     def plan() -> list[PlannedFile]:
         return _saving.plan_rank_files(job.tmp, objects, st.rank, job.writer, get_rng_state())
@@ -380,25 +419,49 @@ def load_state(
 
     Raises:
         CheckpointArgumentError: no object was named (nothing would be restored).
-        CheckpointError: on every rank at once: no checkpoint, a missing object, a corrupted
-            file, or a state that does not fit an object.
+        CheckpointError: on every rank at once: the ranks passed different arguments
+            (directory, object names and kinds, options), no checkpoint, a missing object, a
+            corrupted file, or a state that does not fit an object (keys, shapes, dtype
+            kinds, or values of another type than the live object holds).
 
     Example:
         >>> info = accel.load_state("ckpt", missing_ok=True, model=model, optimizer=opt)
         >>> start = info.step if info else 0
     """
-    _require_objects(objects, "load_state", directory)
     begin("load_state")
     finish_pending()  # an asynchronous save completes (or fails) before anything is read
-    _check_objects(objects, "load_state")
     st = state()
-    each = _nodes.resolve(on_each_node, "load_state")
+    own: AccelError | None = None
+    try:  # arguments only: every rank that passed the same ones meets the same error
+        _require_objects(objects, "load_state", directory)
+        _check_objects(objects, "load_state")
+        each = _nodes.resolve(on_each_node, "load_state")
+    except AccelError as exc:
+        if st.world_size == 1:
+            raise
+        own, each = exc, st.on_each_node  # told to every rank below, on the first gather
     writer, group = _nodes.writes(each), _nodes.group_of(each)
+    found: list[Path] = []
+    explicit = False
+    if writer and own is None:
+        try:
+            found, explicit = candidates(Path(directory))
+        except Exception as exc:  # every rank must hear of it, not wait for a timeout
+            if st.world_size == 1:
+                raise
+            own = exc if isinstance(exc, AccelError) else CheckpointError(
+                f"load_state({os.fspath(directory)!r}) could not list its checkpoints: "
+                f"{_describe(exc)}"
+            )
+    call = call_of(directory, objects, {
+        "missing_ok": missing_ok,
+        "on_each_node": _shown(lambda v: _nodes.resolve(v, "load_state"), on_each_node),
+        "grad_scaler": scope().grad_scaler is not None,
+    }, own, machine=st.node_rank if each else None)
+    gathered = gather_object(((group, writer, [os.fspath(p) for p in found], explicit), call))
+    settle("load_state", [c for _, c in gathered], own, "nothing was loaded")
+    names, explicit, partial = _nodes.agree_candidates([e for e, _ in gathered], group)
     where = os.fspath(directory)
-    found, explicit = candidates(Path(directory)) if writer else ([], False)
-    names, explicit, partial = _nodes.agree_candidates(
-        gather_object((group, writer, [os.fspath(p) for p in found], explicit)), group
-    )
     if partial:
         if not names:
             raise CheckpointError(
