@@ -1,0 +1,213 @@
+"""Real transformers models through accel's checkpoints: resume anywhere, load with transformers.
+
+One launch of 2 processes trains every family with FSDP, saves its state (``save_state``)
+after SAVE_AT steps and takes the next step (the uninterrupted run), then writes the weights
+with ``accel.save_model`` and with the no_trainer ``save_pretrained`` pattern. The state is
+loaded by FSDP and DDP on 2 processes (same launch), by both on 3 processes (one more launch)
+and by one process (the test process); each takes the next step, which must equal the
+uninterrupted one (loss and every weight, 1e-5). The saved weights must load with
+transformers' (or peft's) ``from_pretrained`` and give the trained model's logits.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+import pytest
+import torch
+
+import accel
+from accel.testing import run_distributed
+from tests.hf import _models as M
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytestmark = [
+    pytest.mark.slow,  # two launches (2 and 3 processes) for every family
+    pytest.mark.filterwarnings("ignore:.*will be removed in v6:FutureWarning"),  # peft's calls
+]
+
+SAVE_AT = 2  # steps before save_state; the next step is global batch SAVE_AT
+TOL = 1e-5
+
+
+def _paths(root: str, family: str) -> dict[str, str]:
+    base = os.path.join(root, family)
+    return {k: os.path.join(base, k) for k in ("state", "save_model", "no_trainer")}
+
+
+def _attempt(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, or its traceback as a string (loads fail on every rank alike)."""
+    try:
+        return fn(*args)
+    except Exception:
+        return traceback.format_exc()
+
+
+def _resume(family: str, state_dir: str, strategy: str) -> dict[str, Any]:
+    """A model with other initial weights loads the state and takes the next step."""
+    model = accel.prepare_model(M.build(family, seed=7), strategy=strategy)
+    optimizer = accel.prepare_optimizer(M.optimizer(model))
+    info = accel.load_state(state_dir, model=model, optimizer=optimizer)
+    assert info is not None and info.step == SAVE_AT
+    loss = M.step(model, optimizer, family, SAVE_AT)
+    weights = M.state(model)
+    return {"loss": loss, "state": weights if accel.state().is_main_process else None}
+
+
+def _save_weights(model: torch.nn.Module, family: str, paths: dict[str, str]) -> None:
+    st = accel.state()
+    inner = accel.unwrap_model(model)
+    if st.is_main_process and family != "llama_lora":  # save_model writes the weights only
+        M.config(family).save_pretrained(M.fresh_dir(paths["save_model"]))
+    accel.save_model(model, paths["save_model"])
+    # the no_trainer examples' pattern (transformers and peft alike)
+    inner.save_pretrained(
+        paths["no_trainer"],
+        is_main_process=st.is_main_process,
+        save_function=accel.save,
+        state_dict=accel.get_state_dict(model),
+    )
+    accel.wait_for_everyone()
+
+
+def _train_and_save(family: str, root: str) -> dict[str, Any]:
+    paths = _paths(root, family)
+    model = accel.prepare_model(M.build(family), strategy="fsdp")
+    optimizer = accel.prepare_optimizer(M.optimizer(model))
+    M.train(model, optimizer, family, range(SAVE_AT))
+    accel.save_state(paths["state"], step=SAVE_AT, model=model, optimizer=optimizer)
+    loss = M.step(model, optimizer, family, SAVE_AT)
+    weights = M.state(model)
+    out: dict[str, Any] = {"loss": loss, "state": weights}
+    out["saved"] = _attempt(_save_weights, model, family, paths)
+    for strategy in ("fsdp", "ddp"):
+        out[f"resumed_{strategy}"] = _attempt(_resume, family, paths["state"], strategy)
+    return out
+
+
+def _save_body(families: tuple[str, ...], root: str) -> dict[str, Any]:
+    return {family: _attempt(_train_and_save, family, root) for family in families}
+
+
+def _resume_body(families: tuple[str, ...], root: str) -> dict[str, Any]:
+    return {
+        family: {
+            strategy: _attempt(_resume, family, _paths(root, family)["state"], strategy)
+            for strategy in ("fsdp", "ddp")
+        }
+        for family in families
+    }
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
+    root = str(tmp_path_factory.mktemp("hf_checkpoints"))
+    return root, run_distributed(_save_body, M.FAMILIES, root, world_size=2, timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def resumed_on_3(saved: tuple[str, dict[str, Any]]) -> dict[str, Any]:
+    root, _ = saved
+    return run_distributed(_resume_body, M.FAMILIES, root, world_size=3, timeout=600)[0]
+
+
+def _ok(value: Any, what: str) -> Any:
+    if isinstance(value, str):
+        pytest.fail(f"{what} raised:\n{value}")
+    return value
+
+
+def _uninterrupted(saved: tuple[str, dict[str, Any]], family: str) -> dict[str, Any]:
+    return _ok(saved[1][family], f"training and saving {family!r} on 2 processes")  # type: ignore[no-any-return]
+
+
+def _assert_next_step_equal(resumed: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert abs(resumed["loss"] - expected["loss"]) <= TOL, (resumed["loss"], expected["loss"])
+    assert M.max_diff(resumed["state"], expected["state"]) <= TOL
+
+
+families = pytest.mark.parametrize("family", M.FAMILIES)
+strategies = pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+
+
+@families
+@strategies
+def test_fsdp_state_from_2_resumes_on_2(
+    saved: tuple[str, dict[str, Any]], family: str, strategy: str
+) -> None:
+    expected = _uninterrupted(saved, family)
+    resumed = _ok(expected[f"resumed_{strategy}"], f"{strategy} load_state of {family!r} on 2")
+    _assert_next_step_equal(resumed, expected)
+
+
+@families
+@strategies
+def test_fsdp_state_from_2_resumes_on_3(
+    saved: tuple[str, dict[str, Any]], resumed_on_3: dict[str, Any], family: str, strategy: str
+) -> None:
+    expected = _uninterrupted(saved, family)
+    resumed = _ok(resumed_on_3[family][strategy], f"{strategy} load_state of {family!r} on 3")
+    _assert_next_step_equal(resumed, expected)
+
+
+@families
+def test_fsdp_state_from_2_resumes_on_1(saved: tuple[str, dict[str, Any]], family: str) -> None:
+    root, _ = saved
+    expected = _uninterrupted(saved, family)
+    with accel.distributed(), pytest.warns(UserWarning, match="RNG states are not restored"):
+        resumed = _resume(family, _paths(root, family)["state"], "fsdp")
+    _assert_next_step_equal(resumed, expected)
+
+
+def _trained_logits(expected: dict[str, Any], family: str) -> torch.Tensor:
+    model = M.build(family, seed=7)
+    model.load_state_dict(expected["state"])
+    return M.logits(model, family)
+
+
+def _assert_logits(model: torch.nn.Module, expected: dict[str, Any], family: str) -> None:
+    reference = _trained_logits(expected, family)
+    got = M.logits(model, family)
+    assert got.shape == reference.shape
+    assert (got - reference).abs().max().item() <= TOL
+
+
+@families
+def test_save_model_loads_with_from_pretrained(
+    saved: tuple[str, dict[str, Any]], family: str
+) -> None:
+    root, _ = saved
+    expected = _uninterrupted(saved, family)
+    _ok(expected["saved"], f"saving the weights of {family!r}")
+    directory = _paths(root, family)["save_model"]
+    if family == "llama_lora":
+        # the full peft state dict (base and adapters): a fresh peft model loads it
+        model = M.build(family, seed=7)
+        accel.load_checkpoint_in_model(model, directory, strict=True)
+    else:
+        model = M.model_class(family).from_pretrained(directory)
+    _assert_logits(model, expected, family)
+
+
+@families
+def test_no_trainer_save_pretrained_loads_with_from_pretrained(
+    saved: tuple[str, dict[str, Any]], family: str
+) -> None:
+    import peft
+
+    root, _ = saved
+    expected = _uninterrupted(saved, family)
+    _ok(expected["saved"], f"saving the weights of {family!r}")
+    directory = _paths(root, family)["no_trainer"]
+    if family == "llama_lora":
+        # adapters only, as peft writes them; the frozen base is the seed-0 Llama
+        base = M.build("llama_tied")
+        model = peft.PeftModel.from_pretrained(base, directory)
+        assert "adapter_model.safetensors" in os.listdir(directory)
+    else:
+        model = M.model_class(family).from_pretrained(directory)
+    _assert_logits(model, expected, family)
+
