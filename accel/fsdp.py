@@ -29,6 +29,7 @@ from torch import nn
 from accel._fsdp_params import mark_replaced
 from accel._state import ProcessState, ScopeSlot, state
 from accel.errors import ConfigError
+from accel.model_blocks import declared_blocks
 from accel.precision import autocast_dtype
 
 if TYPE_CHECKING:
@@ -153,9 +154,12 @@ def fsdp_options(run_options: Mapping[str, Any], given: Mapping[str, Any]) -> FS
 
 
 def default_shard_modules(model: nn.Module) -> list[nn.Module]:
-    """The default blocks to shard: those of the model's largest ``ModuleList``/``Sequential``.
+    """The default blocks to shard: the model's declared blocks, else its largest container's.
 
-    "Largest" counts parameters (the first one found wins a tie); blocks without parameters
+    A model that declares its blocks (transformers' ``_no_split_modules``, see
+    :func:`accel.model_blocks.declared_blocks`) has every module of those classes sharded.
+    Otherwise the blocks are the children of the largest ``ModuleList``/``Sequential``:
+    "largest" counts parameters (the first one found wins a tie); blocks without parameters
     are left to their parent. A model with no such container (or whose containers hold no
     parameters) gives an empty list: the root alone is sharded.
 
@@ -164,6 +168,12 @@ def default_shard_modules(model: nn.Module) -> list[nn.Module]:
         >>> [type(m).__name__ for m in default_shard_modules(net)]
         ['Linear', 'Linear']
     """
+    declared = set(declared_blocks(model))
+    if declared:
+        return [
+            module for module in model.modules()
+            if module is not model and type(module).__name__ in declared
+        ]
     best: nn.Module | None = None
     best_size = 0
     for module in model.modules():
@@ -283,6 +293,34 @@ def _upcast_trainable(model: nn.Module) -> None:
         )
 
 
+def describe_blocks(model: nn.Module, targets: list[nn.Module], chosen_by_user: bool) -> str:
+    """One line saying which blocks FSDP shards before the root, and why those.
+
+    Example:
+        >>> describe_blocks(gpt2, shard_targets(gpt2, None), chosen_by_user=False)
+        "FSDP shards 2 blocks (2 x GPT2Block), then the root: the model's _no_split_modules."
+    """
+    counts: dict[str, int] = {}
+    for module in targets:
+        counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    what = ", ".join(f"{n} x {c}" for c, n in counts.items()) or "none"
+    why = (
+        "shard_modules as given" if chosen_by_user
+        else "the model's _no_split_modules" if declared_blocks(model)
+        else "the children of its largest nn.ModuleList/nn.Sequential"
+    )
+    return f"FSDP shards {len(targets)} blocks ({what}), then the root: {why}."
+
+
+def _note_blocks(model: nn.Module, targets: list[nn.Module], options: FSDPOptions) -> None:
+    if state().is_main_process:
+        from accel.gating import get_logger
+
+        get_logger(__name__, main_process_only=False).info(
+            "%s", describe_blocks(model, targets, options.shard_modules is not None)
+        )
+
+
 def _note_one_process() -> None:
     if _ONE_PROCESS_SAID.is_set():
         return
@@ -354,6 +392,7 @@ def shard_model(
     policy = mixed_precision_policy(st.mixed_precision)
     if policy is not None:
         kwargs["mp_policy"] = policy
+    _note_blocks(model, targets, options)
     before = dict(model.named_parameters())
     for module in targets:
         if not is_fsdp_module(module):

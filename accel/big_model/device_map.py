@@ -47,6 +47,7 @@ from accel.big_model._model_walk import (
     walk_order,
 )
 from accel.errors import ArgumentTypeError, DeviceMapError
+from accel.model_blocks import declared_blocks
 
 __all__ = ["get_balanced_memory", "infer_auto_device_map"]
 
@@ -155,7 +156,8 @@ def infer_auto_device_map(
             default every GPU's free memory and 90% of the available RAM. ``"disk"`` is
             always available after the given devices.
         no_split_module_classes: classes (or class names) never split across devices, such
-            as transformer blocks with residual connections.
+            as transformer blocks with residual connections; default: the blocks the model
+            declares (transformers' ``_no_split_modules``), ``[]`` for none.
         dtype: the dtype floating weights will be loaded in (sizes are counted in it).
 
     Returns:
@@ -174,7 +176,9 @@ def infer_auto_device_map(
     """
     require_module(model, "accel.infer_auto_device_map")
     budgets = parse_max_memory(max_memory)
-    no_split = class_names(no_split_module_classes)
+    no_split = class_names(
+        declared_blocks(model) if no_split_module_classes is None else no_split_module_classes
+    )
     devices: list[DeviceKey] = [*budgets, *([] if "disk" in budgets else ["disk"])]
     gpus = [d for d in devices if isinstance(d, int)]
     main = {gpus[0], "cpu"} if gpus else {"cpu"}
@@ -270,7 +274,9 @@ def get_balanced_memory(
     sizes = module_sizes(model, dtype)
     total = sizes.get("", 0)
     per_gpu = total // (len(gpus) - 1 if low_zero else len(gpus))
-    no_split = class_names(no_split_module_classes)
+    no_split = class_names(
+        declared_blocks(model) if no_split_module_classes is None else no_split_module_classes
+    )
     block = 0
     if no_split:
         seen: dict[str, int] = {}

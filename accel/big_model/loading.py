@@ -74,7 +74,8 @@ def load_checkpoint_and_dispatch(
             CPU), no hooks.
         max_memory: Budgets per device (``0``, ``1``, ..., ``"cpu"``, ``"disk"``) in bytes or
             strings such as ``"10GiB"``; defaults to what is free.
-        no_split_module_classes: Module classes (or their names) never split across devices.
+        no_split_module_classes: Module classes (or their names) never split across devices;
+            default: the blocks the model declares (transformers' ``_no_split_modules``).
         offload_folder: Where disk weights from torch files are written.
         dtype: Cast floating tensors to it (integers keep theirs).
 

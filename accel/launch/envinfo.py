@@ -46,6 +46,14 @@ def _gpus() -> list[str]:
     return out
 
 
+FSDP_BLOCKS_NOTE = (
+    "strategy=fsdp shards, unless shard_modules says otherwise, the blocks the model declares "
+    "(transformers' _no_split_modules, e.g. GPT2Block, LlamaDecoderLayer), else the children "
+    "of its largest nn.ModuleList/nn.Sequential; prepare_model logs the blocks it chose at INFO "
+    "level (docs/fsdp.md)."
+)
+
+
 def collect_env_info(
     settings: Mapping[str, Resolved], config_file: Path, config_reason: str
 ) -> dict[str, Any]:
@@ -66,6 +74,7 @@ def collect_env_info(
     from accel import __version__
 
     mixed_precision = settings["mixed_precision"].value if "mixed_precision" in settings else None
+    strategy = settings["strategy"].value if "strategy" in settings else None
     return {
         "accel": __version__,
         "torch": torch.__version__,
@@ -85,7 +94,10 @@ def collect_env_info(
         "settings": {key: {"value": item.value, "source": item.source}
                      for key, item in settings.items()},
         "environment": relevant_variables(environ_snapshot()),
-        "notes": [FP8_NOTE] if mixed_precision == "fp8" else [],
+        "notes": [
+            *([FP8_NOTE] if mixed_precision == "fp8" else []),
+            *([FSDP_BLOCKS_NOTE] if strategy == "fsdp" else []),
+        ],
     }
 
 
