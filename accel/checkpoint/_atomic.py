@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from accel.checkpoint._format import fsync_dir
+from accel.checkpoint._safe_io import open_lock
 from accel.errors import CheckpointError
 
 __all__ = [
@@ -186,8 +187,14 @@ def recover(final: Path, is_complete: Callable[[Path], bool]) -> None:
 def writer_lock(path: Path, what: str) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``path`` (created if needed) for one writer.
 
+    The lock file is opened by :func:`~accel.checkpoint._safe_io.open_lock`: created
+    exclusively, or an existing file that accel made (a regular file of this user, one link,
+    at most one ``pid N on HOST`` line), never through a symbolic link; so writing the
+    holder's pid into it cannot overwrite a file planted under that name.
+
     Raises:
-        CheckpointError: another process holds it (two jobs writing to one place).
+        CheckpointError: another process holds it (two jobs writing to one place), or the
+            path holds a link, a special file or a file accel did not write.
     """
     try:
         import fcntl
@@ -195,7 +202,7 @@ def writer_lock(path: Path, what: str) -> Iterator[None]:
         yield
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_lock(path)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -22,6 +22,7 @@ import attrs
 import torch
 
 from accel.checkpoint._crc import crc32_parallel
+from accel.checkpoint._safe_io import MAX_JSON_BYTES, load_json, open_regular, open_write
 from accel.errors import CheckpointError
 
 __all__ = [
@@ -54,6 +55,8 @@ _NAMES = {name: dtype for dtype, name in _DTYPES.items()}
 _CHUNK = 64 << 20  # CRC and write granularity for big tensors
 _PARALLEL_CHECK = 64 << 20  # files larger than this are checksummed by several threads
 _CHECKERS = 4
+_MAX_DIMS = 64  # more dimensions than any tensor has: a header asking for more is crafted
+_INT64_MAX = 2**63 - 1
 
 
 @attrs.frozen
@@ -94,7 +97,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so renames and new entries in it survive a crash."""
     if sys.platform == "win32":  # directories cannot be opened for fsync there
         return
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -151,7 +154,7 @@ def write_safetensors(
     skips the checksum (the record's ``crc32`` is 0) and the fsync.
     """
     prefix, offset = safetensors_prefix(tensors, metadata)
-    with open(path, "wb") as f:
+    with os.fdopen(open_write(path), "wb") as f:  # never through a link
         crc = zlib.crc32(prefix) if durable else 0
         f.write(prefix)
         for tensor in tensors.values():
@@ -171,8 +174,8 @@ def write_safetensors(
 def write_bytes(
     path: str | os.PathLike[str], data: bytes, *, root: str | os.PathLike[str] | None = None
 ) -> FileRecord:
-    """Write ``data`` to ``path``, fsync it, and return its record."""
-    with open(path, "wb") as f:
+    """Write ``data`` to ``path`` (never through a link), fsync it, and return its record."""
+    with os.fdopen(open_write(path), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -192,7 +195,11 @@ def _is_count(value: object) -> bool:
 
 
 def _check_entry(path: str | os.PathLike[str], name: str, info: object) -> None:
-    """One header entry: a known dtype, a shape of counts, offsets spanning exactly it."""
+    """One header entry: a known dtype, a shape of counts, offsets spanning exactly it.
+
+    A shape must also be one torch can build: at most 64 dimensions, whose product (zero
+    dimensions counted as one, as strides are) times the element size fits in an int64.
+    """
     if not isinstance(info, dict):
         raise _corrupt(path, f"the header entry of tensor {name!r} is {info!r:.80}")
     dtype = _NAMES.get(info.get("dtype"))  # type: ignore[arg-type]
@@ -201,6 +208,15 @@ def _check_entry(path: str | os.PathLike[str], name: str, info: object) -> None:
         raise _corrupt(path, f"tensor {name!r} has the unknown dtype {info.get('dtype')!r:.40}")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise _corrupt(path, f"tensor {name!r} has the invalid shape {shape!r:.80}")
+    if len(shape) > _MAX_DIMS:
+        raise _corrupt(path, f"tensor {name!r} has {len(shape)} dimensions (at most {_MAX_DIMS})")
+    span = dtype.itemsize
+    for dim in shape:
+        span *= max(dim, 1)
+        if span > _INT64_MAX:
+            raise _corrupt(
+                path, f"tensor {name!r} has the shape {shape!r:.80}, too large for any tensor"
+            )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
         raise _corrupt(path, f"tensor {name!r} has invalid data offsets {offsets!r:.80}")
     numel = 1
@@ -228,27 +244,46 @@ def map_safetensors(
     *,
     open_path: str | os.PathLike[str] | None = None,
     bad: Callable[[str | os.PathLike[str], str], CheckpointError] = _corrupt,
+    follow_links: bool = True,
+    expected_size: int | None = None,
 ) -> SafetensorsMap:
     """Map a safetensors file copy-on-write and check its header against its size.
 
     Every entry is checked (dtype, shape, offsets spanning exactly its bytes), entries lie
     back to back and end at the end of the file. Problems are ``bad(path, what)`` errors.
     ``open_path`` is where to open the file when it differs from ``path`` (a temporary file
-    about to be renamed to ``path``).
+    about to be renamed to ``path``). Only a regular file is opened (a FIFO or a device is
+    refused before anything is read); ``follow_links=False`` refuses a symbolic link too (files
+    inside a ``save_state`` checkpoint). ``expected_size`` is the size a manifest declares:
+    another size is refused before the file is mapped.
+
+    Raises:
+        CheckpointError: the file is a link (``follow_links=False``), not a regular file, of
+            another size than ``expected_size``, or malformed.
+        OSError: it cannot be opened or mapped.
     """
     where = path if open_path is None else open_path
-    size = os.path.getsize(where)
-    if size < 8:
-        raise bad(path, f"only {size} bytes")
-    with open(where, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    fd = open_regular(where, follow_links=follow_links)
+    try:
+        size = os.fstat(fd).st_size
+        if expected_size is not None and size != expected_size:
+            raise CheckpointError(
+                f"Checkpoint file {os.fspath(path)!r} has {size} bytes, the manifest says "
+                f"{expected_size}: it is truncated or corrupted. Load an earlier checkpoint."
+            )
+        if size < 8:
+            raise bad(path, f"only {size} bytes")
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
     (header_len,) = struct.unpack("<Q", mapped[:8])
     if header_len > size - 8:
         raise bad(path, f"header of {header_len} bytes in a file of {size}")
-    try:
-        header = json.loads(mapped[8 : 8 + header_len])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad(path, f"unreadable header ({exc})") from None
+    if header_len > MAX_JSON_BYTES:
+        raise bad(path, f"header of {header_len} bytes, more than the {MAX_JSON_BYTES} accel reads")
+    header = load_json(
+        mapped[8 : 8 + header_len], lambda problem: bad(path, f"unreadable header ({problem})")
+    )
     if not isinstance(header, dict):
         raise bad(path, "header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -283,7 +318,11 @@ def _checksum(mapped: mmap.mmap) -> int:
 
 
 def read_safetensors(
-    path: str | os.PathLike[str], *, expected_crc32: int | None = None
+    path: str | os.PathLike[str],
+    *,
+    expected_crc32: int | None = None,
+    expected_size: int | None = None,
+    follow_links: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Map a safetensors file and return its tensors, after checking structure and CRC32.
 
@@ -291,10 +330,15 @@ def read_safetensors(
     made until something writes to them, and changes never reach the file. Tensors whose
     offset is not aligned for their dtype are copied.
 
+    ``expected_size`` and ``follow_links`` are as for :func:`map_safetensors`.
+
     Raises:
-        CheckpointError: the file is truncated, malformed, or its CRC32 differs.
+        CheckpointError: the file is missing, truncated, malformed, not a regular file (or
+            a link, with ``follow_links=False``), or its CRC32 differs.
     """
-    mapped, base, entries, metadata = map_safetensors(path)
+    mapped, base, entries, metadata = map_safetensors(
+        path, follow_links=follow_links, expected_size=expected_size
+    )
     if expected_crc32 is not None:
         crc = _checksum(mapped)
         if crc != expected_crc32:

@@ -7,15 +7,16 @@ is pure reading: no function in this module writes or deletes.
 
 from __future__ import annotations
 
-import json
 import operator
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 from accel.checkpoint._atomic import leftovers
 from accel.checkpoint._paths import as_path
+from accel.checkpoint._safe_io import MAX_JSON_BYTES, load_json, read_bounded
 from accel.errors import CheckpointArgumentError, CheckpointError
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "is_complete",
     "latest_checkpoint",
     "lock_path",
+    "manifest_problem",
     "read_manifest",
 ]
 
@@ -90,16 +92,20 @@ def _check_files(path: Path, files: object) -> None:
 def read_manifest(path: Path) -> dict[str, Any]:
     """The checked manifest of the checkpoint at ``path``.
 
+    The file is read as untrusted input: never through a link, only a regular file, at most
+    :data:`~accel.checkpoint._safe_io.MAX_JSON_BYTES`, with the strict JSON loader.
+
     Raises:
         CheckpointError: missing, unreadable, not accel's, or with fields of the wrong type.
     """
     try:
-        manifest = json.loads((path / MANIFEST).read_bytes())
-    except (OSError, ValueError) as exc:
+        raw = read_bounded(path / MANIFEST, MAX_JSON_BYTES)
+    except OSError as exc:
         raise CheckpointError(
             f"{os.fspath(path / MANIFEST)!r} is missing or unreadable ({exc}): "
             f"{os.fspath(path)!r} is not a complete accel checkpoint."
         ) from None
+    manifest = load_json(raw, lambda problem: _schema_error(path, problem))
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(
             f"{os.fspath(path / MANIFEST)!r} is not an accel checkpoint manifest."
@@ -133,6 +139,18 @@ def is_complete(path: Path) -> bool:
     except CheckpointError:
         return False
     return True
+
+
+def manifest_problem(path: Path) -> str | None:
+    """Why the manifest that ``path`` holds is refused; ``None`` when it is readable or when
+    there is none (an incomplete checkpoint, e.g. a killed save, is no problem to report)."""
+    if not os.path.lexists(path / MANIFEST):
+        return None
+    try:
+        read_manifest(path)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
 
 
 def foreign_entries(path: Path) -> list[str]:
@@ -190,11 +208,23 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint at ``root`` (itself, or its newest ``checkpoint_N``).
 
     Incomplete checkpoints (killed saves) are never returned; the contents are verified by
-    :func:`accel.load_state`, which also falls back past a corrupted newest one.
+    :func:`accel.load_state`, which also falls back past a corrupted newest one. A checkpoint
+    whose manifest is refused (corrupted or crafted) is skipped with a warning, never
+    deleted; nothing is raised for it. It is a plain file-system read, not a collective:
+    ranks sharing a filesystem get the same answer.
 
     Example:
         >>> accel.latest_checkpoint("ckpt")
         PosixPath('ckpt/checkpoint_300')
     """
     found, _ = candidates(as_path(root, "accel.latest_checkpoint", "root"))
-    return next((path for path in found if is_complete(path)), None)
+    for path in found:
+        if is_complete(path):
+            return path
+        problem = manifest_problem(path)
+        if problem is not None:
+            warnings.warn(
+                f"latest_checkpoint skips {os.fspath(path)!r}: {problem} It is left in place.",
+                stacklevel=2,
+            )
+    return None

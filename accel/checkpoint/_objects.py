@@ -17,6 +17,13 @@ import torch
 
 from accel.checkpoint._encode import decode, encode
 from accel.checkpoint._format import FileRecord, read_safetensors
+from accel.checkpoint._safe_io import (
+    MAX_JSON_BYTES,
+    MAX_JSON_DEPTH,
+    json_depth,
+    load_json,
+    read_declared,
+)
 from accel.checkpoint._writer import PlannedFile, plan_bytes, plan_safetensors, write_files
 from accel.errors import CheckpointError
 
@@ -39,8 +46,24 @@ def plan_object(
     body = json.dumps(
         {"has_tensors": bool(tensors), "state": structure, "extra": extra or {}}
     ).encode()
+    _check_readable(name, body)
     files.append(plan_bytes(tmp, f"{name}.json", body))
     return files
+
+
+def _check_readable(name: str, body: bytes) -> None:
+    """Refuse to write a structure file that loading would refuse (too large or too deep)."""
+    if len(body) > MAX_JSON_BYTES:
+        problem = f"is {len(body)} bytes of JSON, more than the {MAX_JSON_BYTES} accel reads"
+    elif json_depth(body) > MAX_JSON_DEPTH:
+        problem = f"nests more than {MAX_JSON_DEPTH} levels deep"
+    else:
+        return
+    raise CheckpointError(
+        f"The state of {name!r} (its tensors aside) {problem}, so loading would refuse it; "
+        "nothing was saved. Keep large data in tensors and flatten deep nesting in that "
+        "object's `state_dict()`."
+    )
 
 
 def write_object(
@@ -53,45 +76,55 @@ def write_object(
 def read_object(
     path: Path, name: str, files: dict[str, dict[str, Any]]
 ) -> tuple[Any, dict[str, Any]]:
-    """The state dict and ``extra`` of object ``name``, its files checked against ``files``."""
+    """The state dict and ``extra`` of object ``name``, its files checked against ``files``.
+
+    Both files are opened without following links and only when regular files, read no
+    further than their manifest sizes, and CRC-checked before use (see
+    :mod:`accel.checkpoint._safe_io`).
+    """
     meta = files.get(f"{name}.json")
     if meta is None:
         raise CheckpointError(f"The checkpoint at {os.fspath(path)!r} lists no {name}.json.")
-    raw = _read_checked(path / f"{name}.json", meta)
     where = os.fspath(path / f"{name}.json")
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"{where!r} is corrupted: {exc}") from None
+    body = load_json(
+        _read_checked(path / f"{name}.json", meta),
+        lambda problem: CheckpointError(f"{where!r} is corrupted: {problem}."),
+    )
     if not isinstance(body, dict) or "state" not in body:
         raise CheckpointError(f"{where!r} is corrupted: it holds no 'state'.")
     tensors: dict[str, torch.Tensor] = {}
     if body.get("has_tensors"):
         tensor_meta = files.get(f"{name}.safetensors")
         tensor_path = path / f"{name}.safetensors"
-        if tensor_meta is None or not tensor_path.is_file():
+        if tensor_meta is None or not os.path.lexists(tensor_path):
             raise CheckpointError(f"Checkpoint file {os.fspath(tensor_path)!r} is missing.")
-        _check_size(tensor_path, tensor_meta)
-        tensors, _ = read_safetensors(tensor_path, expected_crc32=tensor_meta["crc32"])
+        tensors, _ = read_safetensors(
+            tensor_path,
+            expected_crc32=tensor_meta["crc32"],
+            expected_size=tensor_meta["size"],
+            follow_links=False,
+        )
     extra = body.get("extra")
     return decode(body["state"], tensors), extra if isinstance(extra, dict) else {}
 
 
-def _check_size(file: Path, meta: dict[str, Any]) -> None:
-    try:
-        size = file.stat().st_size
-    except OSError:
-        raise CheckpointError(f"Checkpoint file {os.fspath(file)!r} is missing.") from None
-    if size != meta["size"]:
+def _read_checked(file: Path, meta: dict[str, Any], limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of a checkpoint's JSON file: its manifest size (at most ``limit``), its CRC32.
+
+    Raises:
+        CheckpointError: missing, a link or special file, over ``limit``, another size than
+            the manifest's, or a CRC32 mismatch.
+    """
+    if meta["size"] > limit:
         raise CheckpointError(
-            f"Checkpoint file {os.fspath(file)!r} has {size} bytes, the manifest says "
-            f"{meta['size']}: it is truncated or corrupted. Load an earlier checkpoint."
+            f"Checkpoint file {os.fspath(file)!r} is {meta['size']} bytes by its manifest, more "
+            f"than the {limit} accel reads for a structure file: the checkpoint is corrupted "
+            "or crafted. Load an earlier checkpoint."
         )
-
-
-def _read_checked(file: Path, meta: dict[str, Any]) -> bytes:
-    _check_size(file, meta)
-    data = file.read_bytes()
+    try:
+        data = read_declared(file, meta["size"])
+    except FileNotFoundError:
+        raise CheckpointError(f"Checkpoint file {os.fspath(file)!r} is missing.") from None
     if zlib.crc32(data) != meta["crc32"]:
         raise CheckpointError(
             f"Checkpoint file {os.fspath(file)!r} fails its CRC32 check: it is corrupted. "

@@ -14,7 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from accel.checkpoint._atomic import recover, remove_dir, temp_sibling, writer_lock
-from accel.checkpoint._layout import foreign_entries, is_complete, lock_path
+from accel.checkpoint._layout import foreign_entries, is_complete, lock_path, manifest_problem
 from accel.errors import CheckpointError
 
 __all__ = ["lock", "prepare_target", "recover_root", "rotate"]
@@ -76,12 +76,24 @@ def prepare_target(directory: str | os.PathLike[str], final: Path, numbered: boo
 
 
 def rotate(root: Path, total_limit: int, keep: Path) -> None:
-    """Remove the oldest complete ``checkpoint_N`` beyond ``total_limit`` (never ``keep``)."""
-    complete = sorted(
-        (int(m.group(1)), root / name)
-        for name in os.listdir(root)
-        if (m := _STEP_DIR.match(name)) and is_complete(root / name)
-    )
+    """Remove the oldest complete ``checkpoint_N`` beyond ``total_limit`` (never ``keep``).
+
+    One whose manifest is refused (corrupted or crafted) is neither counted nor deleted: it
+    is kept, with a warning.
+    """
+    complete = []
+    for name in os.listdir(root):
+        if not (m := _STEP_DIR.match(name)):
+            continue
+        if is_complete(root / name):
+            complete.append((int(m.group(1)), root / name))
+        elif (problem := manifest_problem(root / name)) is not None:
+            warnings.warn(
+                f"save_state(total_limit={total_limit}) keeps {os.fspath(root / name)!r} and "
+                f"does not count it: {problem} Delete it yourself once you no longer need it.",
+                stacklevel=3,
+            )
+    complete.sort()
     for _, path in complete[: max(0, len(complete) - total_limit)]:
         if path == keep:
             continue

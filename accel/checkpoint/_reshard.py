@@ -18,7 +18,7 @@ parameter. Nothing is changed here: this runs in the verification step of ``load
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from accel.checkpoint._objects import _read_checked, read_object
+from accel.checkpoint._safe_io import load_json
 from accel.checkpoint._sharded import (
     SHARD_REF,
     SHARDS,
@@ -67,12 +68,16 @@ class _Pieces:
         for file in sorted(f for f in files if f.startswith(prefix) and f.endswith(".json")):
             stem = file.removesuffix(".json")
             raw = _read_checked(path / file, files[file])
+            body = load_json(raw, functools.partial(self._invalid, file))
             try:
-                pieces = json.loads(raw)["extra"]["pieces"]
-            except (ValueError, KeyError, TypeError) as exc:
+                pieces = body["extra"]["pieces"]
+            except (KeyError, TypeError) as exc:
                 raise self._corrupt(f"{file} has no piece list ({exc!r})") from None
             for key, spot in pieces.items():
                 self.where.setdefault(key, []).append((stem, spot["offset"], spot["shape"]))
+
+    def _invalid(self, file: str, problem: str) -> CheckpointError:
+        return self._corrupt(f"{file} is not valid ({problem})")
 
     def _corrupt(self, what: str) -> CheckpointError:
         return CheckpointError(

@@ -17,6 +17,7 @@ from accel.checkpoint import _full_weights, _model_swap
 from accel.checkpoint._atomic import leftovers, temp_sibling, write_file_atomically
 from accel.checkpoint._format import write_bytes, write_safetensors
 from accel.checkpoint._paths import as_module, as_path
+from accel.checkpoint._safe_io import MAX_JSON_BYTES, load_json, read_bounded
 from accel.errors import CheckpointError
 from accel.model import unwrap_model
 
@@ -304,10 +305,13 @@ def _index_files(index_path: Path) -> list[Path]:
     """The files an index names, each checked to be a plain file name beside the index."""
     where = os.fspath(index_path)
     fix = "Fix the file or write it again with accel.save_model."
-    try:
-        index = json.loads(index_path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:  # json.JSONDecodeError is a ValueError
-        raise CheckpointError(f"Index {where!r} is not valid JSON ({exc}). {fix}") from None
+    try:  # a link is followed (the Hugging Face cache links files to blobs), a FIFO is not
+        raw = read_bounded(index_path, MAX_JSON_BYTES, follow_links=True)
+    except OSError as exc:
+        raise CheckpointError(f"Index {where!r} cannot be read ({exc}). {fix}") from None
+    index = load_json(
+        raw, lambda problem: CheckpointError(f"Index {where!r} is not valid: {problem}. {fix}")
+    )
     if not isinstance(index, dict):
         problem = f"is a JSON {type(index).__name__}, not an object"
     elif "weight_map" not in index:

@@ -78,7 +78,7 @@ def test_dispatch_with_sources_maps_the_checkpoint_in_place(tmp_path: Path) -> N
     assert all(p.device.type == "meta" for p in meta.parameters())
 
 
-def test_forward_on_cpu_reads_the_mapping_without_copying(tmp_path: Path) -> None:
+def test_forward_on_cpu_reads_the_file_not_the_mapping(tmp_path: Path) -> None:
     _, path = _saved(tmp_path)
     meta = _meta()
     dispatch_with_sources(meta, DISK, _sources(path))
@@ -88,7 +88,8 @@ def test_forward_on_cpu_reads_the_mapping_without_copying(tmp_path: Path) -> Non
     meta.body[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight.data_ptr()))
     with torch.no_grad():
         meta(_ids())
-    assert seen == [at_rest.data_ptr()]
+    # read with pread (a truncated file is an error, not a SIGBUS): not a view of the map
+    assert len(seen) == 1 and seen[0] != at_rest.data_ptr()
 
 
 def test_mixed_map_with_sources(tmp_path: Path) -> None:
@@ -303,7 +304,8 @@ def test_map_sources_checks_everything(tmp_path: Path) -> None:
 
 
 def test_unopenable_file_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="Cannot open weights file"):
+    # a folder is refused by the regular-file check (accel.checkpoint._safe_io) once opened
+    with pytest.raises(CheckpointError, match="is a directory, not a regular file"):
         MappedFile(tmp_path)  # a folder
 
 
