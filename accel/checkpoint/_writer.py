@@ -25,6 +25,7 @@ import torch
 
 from accel.checkpoint._crc import join_crcs
 from accel.checkpoint._format import FileRecord, _host, _view, safetensors_prefix
+from accel.checkpoint._safe_io import open_write
 from accel.errors import CheckpointCancelledError
 
 __all__ = ["PlannedFile", "plan_bytes", "plan_safetensors", "write_files"]
@@ -174,7 +175,7 @@ def write_files(
     try:
         tasks: list[_Task] = []
         for planned in files:
-            fd = os.open(planned.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = open_write(planned.path)  # never through a link, only a regular file
             file = _File(planned, fd, 0)
             opened.append(file)
             mine = _tasks(file)
