@@ -108,8 +108,9 @@ class _Origin:
     key: str = ""
 
     def materialize(self, device: torch.device) -> torch.Tensor:
-        value = self.value.to(device=device, dtype=self.dtype)
-        return value.clone() if value is self.value and self.file is not None else value
+        if self.file is not None:  # read from the open file, not the map: no SIGBUS
+            return self.file.read(self.key).to(device=device, dtype=self.dtype)
+        return self.value.to(device=device, dtype=self.dtype)
 
 
 def _origins(

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from accel._tree import is_namedtuple
-from accel.big_model.offload import MappedFile
+from accel.big_model.offload import MappedFile, give_back
 from accel.errors import DeviceMapError
 
 __all__ = [
@@ -89,12 +89,14 @@ def find_device(data: Any) -> torch.device | None:
 
 class Weight:
     """One offloaded tensor (shared by all the names a tied weight has): its bytes at rest
-    (a view of a mapped file, or a CPU tensor) and its ``meta`` placeholder.
+    (a file, with a view of its private map, or a CPU tensor) and its ``meta`` placeholder.
 
     ``load`` puts it on the execution device once however many modules use it at the same
-    time (tied weights); ``unload`` drops it when the last one is done. When the execution
-    device is where the bytes are (the CPU, no cast), the loaded tensor *is* the source, made
-    once: a forward then only counts users and gives the file's pages back after.
+    time (tied weights); ``unload`` drops it when the last one is done. A weight in a file is
+    read from the open file (``pread``) at each load, never through the map, so a file
+    truncated by another process is a ``CheckpointError``, not a ``SIGBUS``. A weight in CPU
+    memory whose execution device is the CPU (no cast) *is* the source, made once: a forward
+    then only counts users.
     """
 
     __slots__ = (
@@ -109,6 +111,7 @@ class Weight:
         "requires_grad",
         "restore",
         "source",
+        "spare",
         "static",
         "users",
     )
@@ -132,8 +135,9 @@ class Weight:
         self.release = None if file is None else file.releaser(key)
         self.is_param = isinstance(placeholder, nn.Parameter)
         self.requires_grad = placeholder.requires_grad
-        self.static = source.device == device and source.dtype == self.dtype
+        self.static = file is None and source.device == device and source.dtype == self.dtype
         self.loaded: torch.Tensor | None = self._wrap(source) if self.static else None
+        self.spare: torch.Tensor | None = None  # the read buffer ``loaded`` is a view of
         self.users = 0
 
     def _wrap(self, value: torch.Tensor) -> torch.Tensor:
@@ -142,33 +146,42 @@ class Weight:
     def load(self) -> torch.Tensor:
         """The weight on the execution device (loaded on first use)."""
         if self.users == 0 and not self.static:
-            self.loaded = self._wrap(self.source.to(device=self.device, dtype=self.dtype))
-            if self.release is not None:
-                self.release()  # copied: the file's pages are not needed any more
+            if self.file is None:
+                value = self.source.to(device=self.device, dtype=self.dtype)
+            else:
+                read = self.file.read(self.key, spare=True)
+                value = read.to(device=self.device, dtype=self.dtype)
+                if value is read:
+                    self.spare = read  # given back when the last user is done
+                else:
+                    give_back(read)  # copied to the device or cast: reusable now
+                if self.release is not None:
+                    self.release()  # pages of the map state_dict() readers made resident
+            self.loaded = self._wrap(value)
         self.users += 1
         return self.loaded  # type: ignore[return-value]
 
     def unload(self) -> None:
         """One user fewer; at none, drop the loaded tensor and the file's pages."""
         self.users -= 1
-        if self.users == 0:
-            if not self.static:
-                self.loaded = None
-            elif self.release is not None:
-                self.release()
+        if self.users == 0 and not self.static:
+            self.loaded = None
+            if self.spare is not None:
+                spare, self.spare = self.spare, None
+                give_back(spare)
 
     def at_rest(self) -> torch.Tensor:
-        """The value on the CPU without loading it: the view itself when no cast is needed."""
+        """The value on the CPU without loading it: the view itself when no cast is needed
+        (for a file, a view of its map: read lazily, page by page, when used)."""
         return self.source.to(dtype=self.dtype)
 
     def materialize(self) -> torch.Tensor:
-        """A tensor of its own to put back (a copy when the source is a file view)."""
+        """A tensor of its own to put back (read from the file when it is in one)."""
         if self.restore is not None:
             return self.restore
-        value = self.at_rest()
-        if self.file is not None and value is self.source:
-            value = value.clone()
-        return self._wrap(value)
+        if self.file is not None:
+            return self._wrap(self.file.read(self.key).to(dtype=self.dtype))
+        return self._wrap(self.at_rest())
 
 
 class Slot:
@@ -308,13 +321,15 @@ class Dispatch:
         self.handles.clear()
 
     def restore(self) -> None:
-        """Put real CPU tensors back in every offloaded slot (one per tied weight)."""
+        """Put real CPU tensors back in every offloaded slot (one per tied weight): all are
+        read first, so a file that changed (a ``CheckpointError``) leaves every slot as it was.
+        """
         values: dict[int, torch.Tensor] = {}
         for slot in self.slots:
-            key = id(slot.weight)
-            if key not in values:
-                values[key] = slot.weight.materialize()
-            slot.fill(values[key])
+            if id(slot.weight) not in values:
+                values[id(slot.weight)] = slot.weight.materialize()
+        for slot in self.slots:
+            slot.fill(values[id(slot.weight)])
 
 
 def covering_entry(device_map: Mapping[str, Placement], name: str) -> str | None:

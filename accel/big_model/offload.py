@@ -1,10 +1,21 @@
-"""Offloaded weights: pickle-free files on disk, memory-mapped back on demand.
+"""Offloaded weights: pickle-free files on disk, read back on demand.
 
-Weights placed on ``"disk"`` live in safetensors files: a checkpoint shard mapped where it is,
-or a file :func:`write_offload_file` wrote into the offload folder. :class:`MappedFile` maps
-a file once, privately (copy-on-write): a tensor is a view of the file's pages, so reading it
-copies nothing, writing to it never reaches the file, and :meth:`MappedFile.releaser` gives
-its pages back after a forward so resident memory stays at one module's weights.
+Weights placed on ``"disk"`` live in safetensors files: a checkpoint shard used where it is,
+or a file :func:`write_offload_file` wrote into the offload folder. :class:`MappedFile` opens
+a file once and keeps it open:
+
+* a forward reads each weight with ``pread`` into memory of its own (:meth:`MappedFile.read`),
+  after checking the file still has the size it had. A file truncated, cut short or grown by
+  another process while the model lives is then a :class:`~accel.errors.CheckpointError`,
+  never a ``SIGBUS`` (which is what touching a memory map past the new end of its file does);
+  a file replaced by a rename is not seen at all (the open file is the old one);
+* :meth:`MappedFile.tensor` is a view of a private (copy-on-write) map of the file, made
+  once and read lazily: what ``state_dict()`` of an offloaded model returns, so saving a
+  model larger than memory reads one page at a time. Writing to such a view never reaches
+  the file. These views read the file's pages when used, so a file truncated while one is
+  read still ends the process with ``SIGBUS``, as with any memory map (``safetensors``'
+  own, ``torch.load(mmap=True)``). :meth:`MappedFile.releaser` gives its pages back after a
+  forward so resident memory stays at one module's weights.
 """
 
 from __future__ import annotations
@@ -12,7 +23,10 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import stat
 import sys
+import threading
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -23,12 +37,13 @@ from accel.checkpoint._atomic import write_file_atomically
 from accel.checkpoint._format import _DTYPES, _NAMES, map_safetensors, write_safetensors
 from accel.errors import CheckpointError
 
-__all__ = ["MappedFile", "TensorSource", "map_sources", "write_offload_file"]
+__all__ = ["MappedFile", "TensorSource", "give_back", "map_sources", "write_offload_file"]
 
 OFFLOAD_FILE = "accel-offload.safetensors"
 _PAGE = mmap.PAGESIZE
 _RELEASE_MIN = 64 << 10  # smaller tensors keep their pages: refaulting costs more than they hold
 _DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
+_SPARE_MIN = 1 << 20  # smaller buffers come from malloc's own free lists
 
 
 @attrs.frozen
@@ -78,13 +93,25 @@ class MappedFile:
         self.path = path
         if sys.byteorder != "little":
             raise CheckpointError("safetensors files are little-endian; this machine is not.")
+        where = path if open_path is None else open_path
         try:
-            mapped, base, entries, _ = map_safetensors(path, open_path=open_path, bad=_bad_file)
+            fd = _open_regular(where, path)
+            try:
+                own = f"/proc/self/fd/{fd}"  # the open file itself, whatever its name is now
+                mapped, base, entries, _ = map_safetensors(
+                    path, open_path=own if os.path.exists(own) else where, bad=_bad_file
+                )
+                self._size = os.fstat(fd).st_size
+            except BaseException:
+                os.close(fd)
+                raise
         except OSError as exc:
             raise CheckpointError(
                 f"Cannot open weights file {os.fspath(path)!r} ({exc.strerror or exc}). Check "
                 "the path, or load the checkpoint again if it was moved."
             ) from None
+        self._fd = fd
+        weakref.finalize(self, os.close, fd)
         self._mm: mmap.mmap | None = mapped
         self._entries: dict[str, _Entry] = {
             key: _Entry(
@@ -139,6 +166,45 @@ class MappedFile:
             self._views[key] = view
         return view
 
+    def read(self, key: str, *, spare: bool = False) -> torch.Tensor:
+        """Tensor ``key`` read from the open file (``pread``) into memory of its own.
+
+        Nothing here touches the memory map, so a file changed by another process cannot
+        crash the reader: it is an error instead. With ``spare=True`` the memory may be a
+        buffer an earlier read gave back (:func:`give_back`), which saves the page faults of
+        fresh memory; the caller then gives it back when done.
+
+        Raises:
+            CheckpointError: the file's size changed since it was opened (truncated, cut
+                short or rewritten), or it ended before the tensor's bytes.
+        """
+        entry = self._entries[key]
+        size = os.fstat(self._fd).st_size
+        if size != self._size:
+            raise self._changed(f"it has {size} bytes now, {self._size} when it was loaded")
+        nbytes = entry.end - entry.start
+        if nbytes == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        raw = _SPARES.take(nbytes) if spare else torch.empty(nbytes, dtype=torch.uint8)
+        buffer = raw.numpy().data  # a writable memoryview of the tensor's bytes
+        done = 0
+        while done < nbytes:
+            got = _pread_into(self._fd, buffer[done:], entry.start + done)
+            if got <= 0:
+                if spare:
+                    _SPARES.give(raw)
+                raise self._changed(f"it ended before the {nbytes} bytes of tensor {key!r}")
+            done += got
+        return raw.view(entry.dtype).reshape(entry.shape)
+
+    def _changed(self, what: str) -> CheckpointError:
+        return CheckpointError(
+            f"Offloaded weights file {os.fspath(self.path)!r} changed while the model was "
+            f"using it: {what}. Another process truncated or rewrote it. Keep the offload "
+            "folder and the checkpoint unchanged while a model dispatched from them lives, "
+            "then load the model again."
+        )
+
     def releaser(self, key: str) -> Callable[[], None] | None:
         """A function that gives back the resident pages only tensor ``key`` spans (they are
         read from the file again on next use; changes made to them in memory are dropped),
@@ -152,6 +218,87 @@ class MappedFile:
         if last - first < _RELEASE_MIN:
             return None
         return functools.partial(self._mm.madvise, _DONTNEED, first, last - first)
+
+
+class _Spares:
+    """Buffers of big tensors read for forwards, kept for the next read of the same size.
+
+    Fresh memory costs a page fault (and zeroing) per page on first touch, several times the
+    read itself for large tensors; a forward's weights are the same sizes layer after layer.
+    The buffers kept never exceed the most a forward had taken at once (one module's
+    weights), and one is reused only when nothing else holds its memory (a tensor kept by
+    autograd or by the caller is left alone).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._kept = 0  # bytes in _free
+        self._out = 0  # bytes taken and not given back
+        self._peak = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            self._out += nbytes
+            self._peak = max(self._peak, self._out)
+            free = self._free.get(nbytes, [])
+            while free:
+                raw = free.pop()
+                self._kept -= nbytes
+                if _unshared(raw):
+                    return raw
+        with torch.inference_mode(False):  # a normal tensor: it may serve a forward with grad
+            return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        with self._lock:
+            self._out = max(self._out - nbytes, 0)
+            if nbytes < _SPARE_MIN or self._kept + nbytes > self._peak or _COUNT is None:
+                return
+            with torch.inference_mode(False):
+                raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+            self._free.setdefault(nbytes, []).append(raw)
+            self._kept += nbytes
+
+
+def _unshared(raw: torch.Tensor) -> bool:
+    """Whether ``raw`` is the only tensor on its memory (the count includes the temporary
+    storage object asked for here)."""
+    return _COUNT is not None and _COUNT(raw.untyped_storage()._cdata) <= 2
+
+
+_COUNT: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+_SPARES = _Spares()
+
+
+def give_back(tensor: torch.Tensor) -> None:
+    """Hand back the memory of a tensor ``MappedFile.read(..., spare=True)`` returned (or a
+    view of it) once the caller is done with it; it may serve a later read."""
+    if tensor.device.type == "cpu":
+        _SPARES.give(tensor)
+
+
+def _open_regular(where: Path, path: Path) -> int:
+    """A read-only descriptor of ``where``, which must be a regular file (opened without
+    blocking: a FIFO is refused, not waited on)."""
+    fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        os.set_blocking(fd, True)
+        return fd
+    os.close(fd)
+    map_safetensors(path, open_path=where, bad=_bad_file).mapped.close()  # says what it is
+    raise _bad_file(path, "it is not a regular file")
+
+
+def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
+    """Bytes read into ``buffer`` from ``offset`` (at most what one call returns)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [buffer], offset)
+    data = os.pread(fd, len(buffer), offset)
+    buffer[: len(data)] = data
+    return len(data)
 
 
 def map_sources(
