@@ -32,7 +32,6 @@ import io
 import itertools
 import os
 import pickle
-import stat
 import struct
 import zipfile
 from collections.abc import Iterator
@@ -41,6 +40,7 @@ from typing import IO, Any
 
 import torch
 
+from accel.checkpoint._safe_io import open_regular
 from accel.errors import CheckpointError
 
 __all__ = ["check_torch_zip", "is_zip", "opened_torch_file"]
@@ -274,14 +274,8 @@ def opened_torch_file(path: Path, where: str | None = None) -> Iterator[tuple[IO
         OSError: the file cannot be opened (the caller says which file was wanted).
     """
     where = os.fspath(path) if where is None else where
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    fd = open_regular(path, follow_links=True)  # a FIFO or a device is refused, not read
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise CheckpointError(
-                f"{where!r} is not a regular file (it is a {_kind_of(mode)}); a weights file "
-                "must be a plain file. Point to the file itself."
-            )
         os.set_blocking(fd, True)
         file = os.fdopen(fd, "rb")
     except BaseException:
@@ -302,12 +296,3 @@ def is_zip(file: IO[bytes]) -> bool:
         return _read_at(file, 0, 4) == _LOCAL_MAGIC
     finally:
         file.seek(position)
-
-
-def _kind_of(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-                       (stat.S_ISSOCK, "socket")):
-        if test(mode):
-            return name
-    return "special file"
