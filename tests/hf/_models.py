@@ -20,7 +20,6 @@ Families (``FAMILIES``), each chosen for what it exercises:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +33,8 @@ TARGET_SEQ = 6  # t5 labels
 GLOBAL_BATCH = 12  # divides by 1, 2, 3, and by 2 again for accumulation on 2 ranks
 LABELS = 3  # bert classes
 PAD, BOS, EOS = 0, 1, 2  # special tokens inside the tiny vocabulary
+CLIP = 1.0  # max gradient norm
+LR = 2e-3  # AdamW: an update's rounding error scales with it; 3 steps still move weights ~5e-3
 
 FAMILIES = ("gpt2", "llama_tied", "llama", "bert", "t5", "mixtral", "llama_lora")
 TIED = ("gpt2", "llama_tied", "t5", "llama_lora")  # save_state must canonicalise the tie
@@ -173,6 +174,23 @@ def logits(model: nn.Module, family: str) -> torch.Tensor:
     return out
 
 
+GENERATIVE = tuple(f for f in FAMILIES if f != "bert")
+NEW_TOKENS = 5
+
+
+@torch.no_grad()
+def generate(model: nn.Module, family: str) -> torch.Tensor:
+    """Greedy ``generate()`` from the probe's input ids, with the KV cache."""
+    was_training = model.training
+    model.eval()
+    out: torch.Tensor = model.generate(  # type: ignore[operator]
+        input_ids=probe(family)["input_ids"], max_new_tokens=NEW_TOKENS, do_sample=False,
+        pad_token_id=PAD, use_cache=True,
+    )
+    model.train(was_training)
+    return out
+
+
 def loss(model: nn.Module, data: dict[str, torch.Tensor]) -> torch.Tensor:
     out: torch.Tensor = model(**data).loss
     return out
@@ -182,7 +200,7 @@ def optimizer(model: nn.Module) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (eps large enough that rounding noise in a
     gradient that is zero in exact arithmetic, e.g. an attention key bias, stays small)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=1e-2, eps=1e-6)
+    return torch.optim.AdamW(params, lr=LR, eps=1e-6)
 
 
 def state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -190,19 +208,34 @@ def state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().float() for k, v in accel.get_state_dict(model).items()}
 
 
+def schedule(opt: Any) -> Any:
+    """transformers' linear schedule with warmup (its state must survive save/load)."""
+    import transformers
+
+    return transformers.get_linear_schedule_with_warmup(opt, 1, 10)
+
+
 def step(
-    model: nn.Module, opt: Any, family: str, index: int, *, micro: int = 1
+    model: nn.Module, opt: Any, family: str, index: int, *, micro: int = 1,
+    scheduler: Any = None, norms: list[float] | None = None,
 ) -> float:
     """One optimizer step on global batch ``index`` (``micro`` accumulated micro-batches per
-    rank, under ``accel.accumulate``); returns the global mean loss (a collective)."""
+    rank, under ``accel.accumulate``), the gradient clipped to norm 1 (its norm before
+    clipping appended to ``norms``); returns the global mean loss (a collective)."""
     st = accel.state()
     total = torch.zeros(())
     for i in range(micro):
         data = batch(family, index, st.rank, st.world_size, part=(i, micro))
-        with accel.accumulate(model):
+        with accel.accumulate(model) as sync:
             value = loss(model, data)
             accel.backward(value)
+            if sync:
+                norm = accel.clip_grad_norm_(model.parameters(), CLIP)
+                if norms is not None:
+                    norms.append(float(norm))
             opt.step()
+            if scheduler is not None:
+                scheduler.step()
             opt.zero_grad()
         total += value.detach().float() / micro
     return float(accel.reduce(total, "mean"))
@@ -210,15 +243,13 @@ def step(
 
 def train(
     model: nn.Module, opt: Any, family: str, steps: range, *, micro: int = 1,
-    before_step: Callable[[int], None] | None = None,
+    scheduler: Any = None, norms: list[float] | None = None,
 ) -> list[float]:
-    """Steps over global batches ``steps``; ``before_step(i)`` runs before step ``i``."""
-    losses = []
-    for index in steps:
-        if before_step is not None:
-            before_step(index)
-        losses.append(step(model, opt, family, index, micro=micro))
-    return losses
+    """Steps over global batches ``steps``; their global losses."""
+    return [
+        step(model, opt, family, i, micro=micro, scheduler=scheduler, norms=norms)
+        for i in steps
+    ]
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -239,6 +270,18 @@ def blocks(family: str) -> list[str]:
         "mixtral": ["model.layers"],
     }[family]
     return [f"{p}.{i}" for p in prefix for i in range(2)]
+
+
+def first_layer(model: nn.Module, family: str) -> nn.Module:
+    """The first module holding parameters inside the first block (through peft's wrapper).
+
+    Gradient checkpointing recomputes the block's ``forward`` in the backward, which calls
+    this module again (the block's own hooks run once: transformers 5 checkpoints
+    ``forward``, not ``__call__``).
+    """
+    prefix = "base_model.model." if family == "llama_lora" else ""
+    block = model.get_submodule(prefix + blocks(family)[0])
+    return next(m for m in block.modules() if m is not block and m._parameters)
 
 
 def device_map(family: str) -> dict[str, str]:

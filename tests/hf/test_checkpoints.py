@@ -46,13 +46,21 @@ def _attempt(fn: Any, *args: Any) -> Any:
         return traceback.format_exc()
 
 
+def _prepared(family: str, seed: int) -> tuple[Any, Any, Any]:
+    """Model, AdamW and transformers' warmup schedule through ``accel.prepare`` together (the
+    optimizer is made before FSDP shards the model, as in Accelerate scripts)."""
+    model = M.build(family, seed=seed)
+    optimizer = M.optimizer(model)
+    return accel.prepare(model, optimizer, M.schedule(optimizer))  # type: ignore[no-any-return]
+
+
 def _resume(family: str, state_dir: str, strategy: str) -> dict[str, Any]:
     """A model with other initial weights loads the state and takes the next step."""
-    model = accel.prepare_model(M.build(family, seed=7), strategy=strategy)
-    optimizer = accel.prepare_optimizer(M.optimizer(model))
-    info = accel.load_state(state_dir, model=model, optimizer=optimizer)
-    assert info is not None and info.step == SAVE_AT
-    loss = M.step(model, optimizer, family, SAVE_AT)
+    with accel.distributed(strategy=strategy):
+        model, optimizer, scheduler = _prepared(family, seed=7)
+        info = accel.load_state(state_dir, model=model, optimizer=optimizer, scheduler=scheduler)
+        assert info is not None and info.step == SAVE_AT
+        loss = M.step(model, optimizer, family, SAVE_AT, scheduler=scheduler)
     weights = M.state(model)
     return {"loss": loss, "state": weights if accel.state().is_main_process else None}
 
@@ -75,12 +83,14 @@ def _save_weights(model: torch.nn.Module, family: str, paths: dict[str, str]) ->
 
 def _train_and_save(family: str, root: str) -> dict[str, Any]:
     paths = _paths(root, family)
-    model = accel.prepare_model(M.build(family), strategy="fsdp")
-    optimizer = accel.prepare_optimizer(M.optimizer(model))
-    M.train(model, optimizer, family, range(SAVE_AT))
-    accel.save_state(paths["state"], step=SAVE_AT, model=model, optimizer=optimizer)
-    loss = M.step(model, optimizer, family, SAVE_AT)
-    weights = M.state(model)
+    with accel.distributed(strategy="fsdp"):
+        model, optimizer, scheduler = _prepared(family, seed=0)
+        M.train(model, optimizer, family, range(SAVE_AT), scheduler=scheduler)
+        accel.save_state(
+            paths["state"], step=SAVE_AT, model=model, optimizer=optimizer, scheduler=scheduler
+        )
+        loss = M.step(model, optimizer, family, SAVE_AT, scheduler=scheduler)
+        weights = M.state(model)
     out: dict[str, Any] = {"loss": loss, "state": weights}
     out["saved"] = _attempt(_save_weights, model, family, paths)
     for strategy in ("fsdp", "ddp"):
