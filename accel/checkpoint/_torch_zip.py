@@ -52,6 +52,7 @@ _DESCRIPTOR = 0x8  # sizes and CRC follow the data; the local header may hold ze
 _UTF8 = 0x800
 _MAX_GLOBALS = 4096  # distinct globals a data.pkl may name (torch's use a handful)
 _MAX_NUMEL = 1 << 62
+_NAME_GUESS = 226  # bytes read after a local header at once: its name, mostly
 
 
 def _storage_sizes() -> dict[tuple[str, str], int]:
@@ -166,6 +167,20 @@ def _text(value: object) -> str | None:
 
 
 def _read_at(file: IO[bytes], offset: int, size: int) -> bytes:
+    """Up to ``size`` bytes at ``offset`` (one ``pread`` for a real file)."""
+    try:
+        fd = file.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        fd = -1
+    if fd >= 0:
+        parts, left = [], size
+        while left > 0:
+            part = os.pread(fd, left, offset + size - left)
+            if not part:
+                break
+            parts.append(part)
+            left -= len(part)
+        return b"".join(parts)
     file.seek(offset)
     data = file.read(size)
     return data if data is not None else b""
@@ -183,11 +198,14 @@ def _data_range(file: IO[bytes], info: zipfile.ZipInfo, where: str) -> tuple[int
             where, f"member {name!r} is stored in {info.compress_size} bytes but declares "
             f"{info.file_size}"
         )
-    header = _read_at(file, info.header_offset, _LOCAL.size)
-    if len(header) != _LOCAL.size:
+    header = _read_at(file, info.header_offset, _LOCAL.size + _NAME_GUESS)
+    if len(header) < _LOCAL.size:
         raise _refuse(where, f"the local header of member {name!r} lies past the end")
-    magic, _, flags, method, _, _, _, packed, size, name_len, extra_len = _LOCAL.unpack(header)
-    raw_name = _read_at(file, info.header_offset + _LOCAL.size, name_len)
+    fields = _LOCAL.unpack(header[: _LOCAL.size])
+    magic, _, flags, method, _, _, _, packed, size, name_len, extra_len = fields
+    raw_name = header[_LOCAL.size : _LOCAL.size + name_len]
+    if len(raw_name) < name_len:  # a name longer than guessed
+        raw_name = _read_at(file, info.header_offset + _LOCAL.size, name_len)
     local_name = raw_name.decode("utf-8" if flags & _UTF8 else "cp437", errors="replace")
     sizes_agree = (flags & _DESCRIPTOR and packed == size == 0) or (
         packed in (info.compress_size, 0xFFFFFFFF) and size in (info.file_size, 0xFFFFFFFF)

@@ -11,6 +11,7 @@ header disagreeing with the directory, a duplicate member, and a zip bomb (2 MB 
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import subprocess
@@ -207,6 +208,9 @@ def test_the_check_reads_only_the_directory_and_data_pkl(tmp_path: Path) -> None
             data = self.file.read(size)
             self.read_bytes += len(data)
             return data
+
+        def fileno(self) -> int:  # no descriptor: every read goes through read()
+            raise io.UnsupportedOperation("fileno")
 
         def __getattr__(self, name: str) -> object:
             return getattr(self.file, name)
