@@ -154,7 +154,7 @@ class MappedFile:
         if view is None:
             entry = self._entries[key]
             if entry.end == entry.start:
-                view = torch.empty(entry.shape, dtype=entry.dtype)
+                view = torch.empty(entry.shape, dtype=entry.dtype, device="cpu")
             else:
                 assert self._mm is not None
                 raw = torch.frombuffer(
@@ -184,8 +184,8 @@ class MappedFile:
             raise self._changed(f"it has {size} bytes now, {self._size} when it was loaded")
         nbytes = entry.end - entry.start
         if nbytes == 0:
-            return torch.empty(entry.shape, dtype=entry.dtype)
-        raw = _SPARES.take(nbytes) if spare else torch.empty(nbytes, dtype=torch.uint8)
+            return torch.empty(entry.shape, dtype=entry.dtype, device="cpu")
+        raw = _SPARES.take(nbytes) if spare else _host_bytes(nbytes)
         buffer = raw.numpy().data  # a writable memoryview of the tensor's bytes
         done = 0
         while done < nbytes:
@@ -248,7 +248,7 @@ class _Spares:
                 if _unshared(raw):
                     return raw
         with torch.inference_mode(False):  # a normal tensor: it may serve a forward with grad
-            return torch.empty(nbytes, dtype=torch.uint8)
+            return _host_bytes(nbytes)
 
     def give(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -258,9 +258,14 @@ class _Spares:
             if nbytes < _SPARE_MIN or self._kept + nbytes > self._peak or _COUNT is None:
                 return
             with torch.inference_mode(False):
-                raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+                raw = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage)
             self._free.setdefault(nbytes, []).append(raw)
             self._kept += nbytes
+
+
+def _host_bytes(nbytes: int) -> torch.Tensor:
+    """Fresh CPU memory (whatever the default device of the caller's context)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
 
 def _unshared(raw: torch.Tensor) -> bool:
