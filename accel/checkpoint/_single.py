@@ -6,7 +6,9 @@ plain ``torch.load(path)`` with its default ``weights_only=True``. Reading looks
 content, not the name: a safetensors file starts with the 8-byte little-endian length of a
 JSON header that opens with ``{``; a torch file is a zip archive (``PK``) or, in torch's old
 format, a pickle (``0x80``). Torch files are read with ``weights_only=True`` only, so a file
-holding code (a pickle with a malicious ``__reduce__``) is refused before anything runs.
+holding code (a pickle with a malicious ``__reduce__``) is refused before anything runs; a
+torch zip is first checked by :mod:`accel.checkpoint._torch_zip` (no compressed member, every
+storage of its declared size), so a zip bomb is refused before anything is inflated.
 """
 
 from __future__ import annotations
