@@ -1,7 +1,8 @@
 """Check that a saved state fits an object before anything is loaded into it.
 
 ``load_state`` calls :func:`check_fits` for every object first, so a checkpoint of another
-model (wrong keys or shapes) or of an optimizer over other parameters fails before any object
+model (wrong keys or shapes) or of an optimizer over other parameters, or values of another
+type than the live object holds (:mod:`accel.checkpoint._values`), fail before any object
 changes. Objects accel knows nothing about are checked by their own ``load_state_dict``.
 """
 
@@ -13,15 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel.checkpoint._values import PARAM_SHAPED, check_values
 from accel.errors import CheckpointError
 
 __all__ = ["check_fits"]
-
-# per-parameter state of torch's optimizers that has the parameter's shape
-_PARAM_SHAPED = frozenset({
-    "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg",
-    "acc_delta", "sum", "ax", "prev", "step_size",
-})
 
 
 def _shape(value: Any) -> tuple[int, ...] | None:
@@ -73,7 +69,7 @@ def _check_optimizer(name: str, optimizer: torch.optim.Optimizer, saved: Any) ->
                 continue
             for key, value in entry.items():
                 shape = _shape(value)
-                if key in _PARAM_SHAPED and shape is not None and shape != tuple(param.shape):
+                if key in PARAM_SHAPED and shape is not None and shape != tuple(param.shape):
                     raise CheckpointError(
                         f"The checkpoint's optimizer {name!r} holds {key!r} of shape {shape} "
                         f"for a parameter of shape {tuple(param.shape)}: it was saved for "
@@ -93,3 +89,4 @@ def check_fits(name: str, target: Any, saved: Any) -> None:
         _check_module(name, target, saved)
     elif isinstance(target, torch.optim.Optimizer):
         _check_optimizer(name, target, saved)
+    check_values(name, target, saved)  # types, finiteness and dtype kinds of the values

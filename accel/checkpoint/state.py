@@ -53,6 +53,7 @@ from accel.checkpoint._paths import as_path
 from accel.checkpoint._reshard import resolve
 from accel.checkpoint._saving import GRADS
 from accel.checkpoint._sharded import check_layout
+from accel.checkpoint._values import check_counter, check_gradients, check_rng, check_values
 from accel.checkpoint._writer import PlannedFile, write_files
 from accel.checkpoint.rng import get_rng_state, set_rng_state
 from accel.collectives import begin, gather_object
@@ -316,8 +317,19 @@ def _verify(path: Path, objects: dict[str, Any], rank: int, world_size: int) -> 
         loaded = dict(zip(wanted, pool.map(lambda n: read_object(path, n, files), wanted),
                           strict=True))
     resolve(path, files, objects, loaded)  # FSDP: shards <-> full tensors, for each target
-    for name, obj in objects.items():
-        check_fits(name, _unwrap(obj), loaded[name][0])
+    for name, obj in objects.items():  # values too: a failed load must change nothing
+        target = _unwrap(obj)
+        check_fits(name, target, loaded[name][0])
+        if isinstance(target, nn.Module):
+            check_counter(name, loaded[name][1].get("accumulation_step"))
+            if grad_files[name] in loaded:
+                check_gradients(name, grad_files[name], target, loaded[grad_files[name]][0])
+    if GRAD_SCALER in wanted:
+        check_values(GRAD_SCALER, scaler, loaded[GRAD_SCALER][0])
+    if own:
+        rng, rng_extra = loaded[f"rng_rank{rank}"]
+        check_rng(f"rng_rank{rank}", get_rng_state(), rng)
+        check_counter(f"rng_rank{rank}", rng_extra.get("accumulation_step"))
     info = CheckpointInfo(
         path=path, step=manifest["step"], world_size=manifest["world_size"], objects=tuple(saved)
     )
