@@ -24,6 +24,7 @@ from accel.checkpoint._safe_io import (
     load_json,
     read_declared,
 )
+from accel.checkpoint._values import check_recorded, dtype_names
 from accel.checkpoint._writer import PlannedFile, plan_bytes, plan_safetensors, write_files
 from accel.errors import CheckpointError
 
@@ -43,9 +44,10 @@ def plan_object(
     files = []
     if tensors:
         files.append(plan_safetensors(tmp, f"{name}.safetensors", tensors))
-    body = json.dumps(
-        {"has_tensors": bool(tensors), "state": structure, "extra": extra or {}}
-    ).encode()
+    body = json.dumps({  # "dtypes": what load checks the tensor file's header against
+        "has_tensors": bool(tensors), "dtypes": dtype_names(tensors), "state": structure,
+        "extra": extra or {},
+    }).encode()
     _check_readable(name, body)
     files.append(plan_bytes(tmp, f"{name}.json", body))
     return files
@@ -104,6 +106,7 @@ def read_object(
             expected_size=tensor_meta["size"],
             follow_links=False,
         )
+        check_recorded(os.fspath(tensor_path), tensors, body.get("dtypes"))
     extra = body.get("extra")
     return decode(body["state"], tensors), extra if isinstance(extra, dict) else {}
 

@@ -35,7 +35,8 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from accel.errors import CheckpointError
 
 __all__ = [
-    "PARAM_SHAPED", "check_counter", "check_gradients", "check_rng", "check_values", "dtype_kind",
+    "PARAM_SHAPED", "check_counter", "check_gradients", "check_recorded", "check_rng",
+    "check_values", "dtype_kind", "dtype_names",
 ]
 
 _SHOWN = 6  # problems named in one message
@@ -56,6 +57,40 @@ def dtype_kind(dtype: torch.dtype) -> str:
     if dtype.is_complex:
         return "complex"
     return "floating" if dtype.is_floating_point else "integer"
+
+
+def dtype_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """What a structure file records of its tensor file: each tensor's dtype, by name."""
+    return {key: str(t.dtype).removeprefix("torch.") for key, t in tensors.items()}
+
+
+def check_recorded(where: str, tensors: Mapping[str, torch.Tensor], recorded: object) -> None:
+    """The dtypes a tensor file's header declares are those its structure file recorded.
+
+    ``recorded`` is the structure file's ``dtypes`` (``None`` in checkpoints written before
+    accel recorded them: nothing to compare). A header relabelled after the save (``F32`` ->
+    ``I32`` reads the same bytes as integers of ~1e9) differs from the record.
+
+    Raises:
+        CheckpointError: the record is not a mapping, or a tensor's dtype differs from it.
+    """
+    if recorded is None:
+        return
+    found = dtype_names(tensors)
+    if isinstance(recorded, Mapping) and dict(recorded) == found:
+        return
+    table = recorded if isinstance(recorded, Mapping) else {}
+    differ = [
+        f"{key!r}: {found.get(key, 'absent')} in the header, {table.get(key, 'absent')!s:.20} "
+        "recorded"
+        for key in list(dict.fromkeys([*found, *table]))
+        if found.get(key) != table.get(key)
+    ] or [f"the record is {recorded!r:.40}"]
+    raise CheckpointError(
+        f"Checkpoint file {where!r} declares other dtypes than its structure file recorded at "
+        f"save time ({'; '.join(differ[:_SHOWN])}): its header was changed after the save. "
+        "The checkpoint is corrupted or was crafted; load an earlier one."
+    )
 
 
 def _is_number(value: object) -> bool:

@@ -51,8 +51,25 @@ def _edit_body(ck: Path, name: str, edit: Callable[[Any], None]) -> None:
     _reseal(ck, f"{name}.json")
 
 
-def _relabel(ck: Path, name: str, key: str, dtype: str) -> None:
-    """Change the dtype a safetensors header declares for ``key`` (same length, same bytes)."""
+_NAMES = {"I32": "int32", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+          "F64": "float64", "I64": "int64"}
+
+
+def _relabel(ck: Path, name: str, key: str, dtype: str, record: str = "also") -> None:
+    """Change the dtype a safetensors header declares for ``key`` (same length, same bytes).
+
+    ``record``: ``"also"`` changes the structure file's record of it too (a crafted
+    checkpoint), ``"drop"`` removes the record (as in checkpoints written before it existed),
+    ``"keep"`` leaves it (a header changed alone).
+    """
+    if record != "keep":
+        def edit(body: Any) -> None:
+            if record == "drop":
+                del body["dtypes"]
+            else:
+                body["dtypes"][key] = _NAMES[dtype]
+
+        _edit_body(ck, name, edit)
     path = ck / f"{name}.safetensors"
     data = bytearray(path.read_bytes())
     (size,) = struct.unpack("<Q", data[:8])
@@ -178,11 +195,29 @@ def _header(ck: Path, name: str) -> dict[str, Any]:
     return header
 
 
-def test_weights_relabelled_f32_to_i32_are_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("record", ["also", "drop"])
+def test_weights_relabelled_f32_to_i32_are_refused(tmp_path: Path, record: str) -> None:
     ck = _saved(tmp_path)
-    _relabel(ck, "model", "0.weight", "I32")
+    _relabel(ck, "model", "0.weight", "I32", record)
     text = _refused(ck, "'0.weight'", "torch.int32", "floating")
     assert "model" in text
+
+
+@pytest.mark.parametrize(("dtype", "wanted"), [("I32", "int32"), ("F16", "float16")])
+def test_a_header_relabelled_after_the_save_differs_from_the_record(
+    tmp_path: Path, dtype: str, wanted: str
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3).to(torch.bfloat16 if dtype == "F16" else torch.float32)
+    ck = accel.save_state(tmp_path / "ck", model=model)
+    assert json.loads((ck / "model.json").read_text())["dtypes"]["weight"] in (
+        "bfloat16", "float32")
+    _relabel(ck, "model", "weight", dtype, record="keep")  # BF16 -> F16: both floating
+    target = nn.Linear(3, 3).to(model.weight.dtype)
+    before = target.weight.detach().clone()
+    with pytest.raises(CheckpointError, match=f"'weight': {wanted} in the header"):
+        accel.load_state(ck, model=target)
+    assert torch.equal(target.weight, before)
 
 
 def test_an_integer_buffer_relabelled_to_floats_is_refused(tmp_path: Path) -> None:
