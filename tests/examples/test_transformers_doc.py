@@ -1,0 +1,84 @@
+"""Every Python block of docs/transformers.md runs as the page says.
+
+Each block is marked ``<!-- doc-test: launch -->`` (run on 2 CPU processes with
+``accel launch``) or ``<!-- doc-test: python -->`` (one plain process). Later blocks use what
+earlier ones wrote (``tiny-llama``, ``base-model``...), and only ``python`` blocks read what
+``launch`` blocks wrote, so the launch blocks run first, in page order, in one ``accel
+launch`` (each block as its own ``__main__``), then the python blocks, in one plain process,
+in a shared working directory.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "transformers.md"
+BLOCK = re.compile(r"(?:<!-- doc-test: (launch|python) -->\n)?```python\n(.*?)```", re.DOTALL)
+# Under `accel launch` the runner makes the process group once: each block's
+# `accel.distributed()` then uses it and leaves it alone (a second group made and destroyed in
+# the same worker process would rendezvous again through the launcher's store, which hangs).
+RUNNER = """
+import os, runpy, sys
+import torch.distributed as dist
+if "RANK" in os.environ:
+    dist.init_process_group("gloo")
+for path in sys.argv[1:]:
+    print(f"=== {path}", flush=True)
+    runpy.run_path(path, run_name="__main__")
+if dist.is_initialized():
+    dist.destroy_process_group()
+"""
+
+
+def _blocks() -> list[tuple[str, str]]:
+    return [(kind, code) for kind, code in BLOCK.findall(DOC.read_text(encoding="utf-8"))]
+
+
+def test_every_python_block_is_marked() -> None:
+    blocks = _blocks()
+    assert blocks, "no python blocks found"
+    unmarked = [code.splitlines()[0] for kind, code in blocks if not kind]
+    assert not unmarked, f"python blocks without a doc-test marker: {unmarked}"
+
+
+def _run(cmd: list[str], cwd: pathlib.Path) -> str:
+    drop = ("ACCEL_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_doc_blocks_run(tmp_path: pathlib.Path) -> None:
+    files: dict[str, list[str]] = {"launch": [], "python": []}
+    for i, (kind, code) in enumerate(_blocks()):
+        path = tmp_path / f"block{i:02d}_{kind}.py"
+        path.write_text(code, encoding="utf-8")
+        files[kind].append(str(path))
+    runner = tmp_path / "runner.py"
+    runner.write_text(RUNNER, encoding="utf-8")
+
+    launched = _run([sys.executable, "-m", "accel.launch", "--nproc-per-node", "2", "--cpu",
+                     str(runner), *files["launch"]], tmp_path)
+    perplexities = re.findall(r"^epoch (\d): perplexity (\d+\.\d+)$", launched, re.MULTILINE)
+    assert [epoch for epoch, _ in perplexities] == ["0", "1", "2"], launched[-3000:]
+    assert float(perplexities[-1][1]) < float(perplexities[0][1])  # the loop learns
+    assert launched.count("finished at step 12\n") == 1, launched[-3000:]
+    assert (tmp_path / "gpt2-run" / "checkpoint_12").is_dir()
+    assert sorted(p.name for p in (tmp_path / "lora-adapter").iterdir()) == [
+        "README.md", "adapter_config.json", "adapter_model.safetensors"]
+
+    printed = _run([sys.executable, str(runner), *files["python"]], tmp_path)
+    assert "'disk'" in printed, printed[-3000:]  # the device map printed by the last block
