@@ -26,7 +26,7 @@ import torch
 import accel
 from tests.hf import _models as M
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*will be removed in v6:FutureWarning")  # peft
@@ -57,6 +57,7 @@ def test_dispatch_from_save_pretrained_shards_matches_the_full_model(
 
 
 @pytest.mark.xfail(
+    int(transformers.__version__.split(".")[0]) >= 5,  # 4.x: experts unfused on disk and in memory
     strict=True,
     reason="load_checkpoint_and_dispatch does not apply transformers 5's weight conversions "
     "(per-expert checkpoint -> fused experts); Accelerate 1.15 cannot load it either",

@@ -29,12 +29,19 @@ STEPS = 3
 FP32_TOL = 1e-5
 
 
-def _checkpointing_on(model: torch.nn.Module) -> None:
-    """HF gradient checkpointing (``activation_checkpointing_enable`` is its name from 5.x)."""
+def _checkpointing_on(model: torch.nn.Module, family: str) -> None:
+    """HF gradient checkpointing (``activation_checkpointing_enable`` is its name from 5.x).
+
+    With LoRA the embedding is frozen, so its output must be made to require grad for the
+    checkpointed blocks to pass gradients back (transformers 5 does this itself; peft's docs
+    ask for ``enable_input_require_grads()`` with 4.x).
+    """
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is None:
         enable = model.gradient_checkpointing_enable
     enable()
+    if family == "llama_lora":
+        model.enable_input_require_grads()
 
 
 def _run(
@@ -46,7 +53,7 @@ def _run(
     with accel.distributed(gradient_accumulation_steps=micro, mixed_precision=precision):
         model = M.build(family)
         if checkpointing:
-            _checkpointing_on(model)
+            _checkpointing_on(model, family)
         calls: list[int] = []
         M.first_layer(model, family).register_forward_hook(lambda *_: calls.append(1))
         model = accel.prepare_model(model, strategy=strategy)
