@@ -25,12 +25,16 @@ from accel._env import environ_snapshot
 from accel._settings import cpu_count
 from accel._state import ProcessState, Scope, set_state
 from accel.errors import CollectiveTimeoutError, ConfigError, RemoteError
+from accel.launch._script_run import ScriptResult, run_script
 
-__all__ = ["fake_state", "run_distributed"]
+__all__ = ["ScriptResult", "fake_state", "run_distributed", "run_script"]
 
 R = TypeVar("R")
 
 _POLL_S = 0.02
+# what the warm server imports once, before it forks workers (run_script's entry point too)
+_PRELOAD = ["torch", "torch.distributed", "accel.testing", "accel.launch.worker",
+            "accel._warm_server"]  # last: freezes what the others imported
 _GRACE_S = 3.0  # after one rank fails, how long the others get to finish or fail too
 
 
@@ -110,7 +114,7 @@ def _context() -> Any:
         ctx = mp.get_context("forkserver")
         # Workers fork from a server that has torch and accel imported already: ~0.1 s a
         # process instead of ~2 s for a fresh interpreter.
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "accel.testing"])
+        ctx.set_forkserver_preload(_PRELOAD)
         return ctx
     return mp.get_context("spawn")
 

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "accel"
 # Highest first. A module belongs to the first layer with a pattern that matches it: the exact
 # name, or ``prefix.*`` for a package's modules. Unlisted modules are in "features".
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("package", ("accel", "accel.launch.selftest")),
+    ("package", ("accel", "accel.launch.selftest", "accel._warm_server")),
     ("tools", ("accel.launch", "accel.launch.*", "accel.testing")),
     ("distributed", ("accel.process_group",)),
     ("features", ()),
