@@ -38,6 +38,7 @@ from torch import nn
 
 from accel.checkpoint._format import read_safetensors
 from accel.checkpoint._torch_zip import is_zip, opened_torch_file
+from accel.checkpoint._values import dtype_kind
 from accel.errors import CheckpointError, DeviceMapError
 
 __all__ = [
@@ -295,6 +296,19 @@ def _slots(model: nn.Module) -> tuple[dict[str, Slot], dict[int, list[str]]]:
     return slots, groups
 
 
+def _refuse_integer_data(stored: dict[str, Stored], slots: dict[str, Slot]) -> None:
+    """A floating tensor never takes integer data (``F32`` relabelled ``I32``: values ~1e9)."""
+    wrong = [f"{key!r} is {s.dtype} in {os.fspath(s.file)!r}, {slots[key].tensor.dtype} in the "
+             "model" for key, s in stored.items() if key in slots and dtype_kind(s.dtype) in
+             ("integer", "bool") and dtype_kind(slots[key].tensor.dtype) in ("floating", "complex")]
+    if wrong:
+        raise CheckpointError(
+            f"The checkpoint holds integer data for floating tensors of the model: "
+            f"{'; '.join(wrong[:_SHOWN])}. Nothing was loaded. The file is corrupted or was "
+            "crafted, or it holds quantized weights: load it into the model it was saved from."
+        )
+
+
 def plan_load(
     model: nn.Module, files: list[Path], *, placer: Placer, dtype: torch.dtype | None
 ) -> Plan:
@@ -321,6 +335,7 @@ def plan_load(
             f"shape: {'; '.join(mismatched[:_SHOWN])}. Nothing was loaded. Build the model "
             "with the configuration the checkpoint was saved from."
         )
+    _refuse_integer_data(stored, slots)
     loader: dict[int, str] = {}
     for key in stored:
         if key in slots:

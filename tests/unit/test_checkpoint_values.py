@@ -346,3 +346,23 @@ def test_a_good_checkpoint_of_every_kind_still_loads(tmp_path: Path) -> None:
     accel.load_state(ck, **fresh)
     assert fresh["scheduler"].state_dict() == objs["scheduler"].state_dict()
     assert fresh["optimizer"].param_groups[0]["lr"] == objs["optimizer"].param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("dispatch", [False, True])
+def test_model_weights_with_integer_data_for_float_parameters_are_refused(
+    tmp_path: Path, dispatch: bool
+) -> None:
+    """The transformers-layout loaders too: integer data never fills a float parameter."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    weights = {"weight": model.weight.detach().view(torch.int32).clone(),  # F32 bits as I32
+               "bias": model.bias.detach().clone()}
+    save_file(weights, tmp_path / "model.safetensors")
+    target = nn.Linear(3, 3)
+    before = target.weight.detach().clone()
+    with pytest.raises(CheckpointError, match="'weight' is torch.int32"):
+        if dispatch:
+            accel.load_checkpoint_and_dispatch(target, tmp_path, device_map={"": "cpu"})
+        else:
+            accel.load_checkpoint_in_model(target, tmp_path / "model.safetensors")
+    assert torch.equal(target.weight, before)
