@@ -25,9 +25,11 @@ from accel._env import environ_snapshot
 from accel._settings import cpu_count
 from accel._state import ProcessState, Scope, set_state
 from accel.errors import CollectiveTimeoutError, ConfigError, RemoteError
-from accel.launch._script_run import ScriptResult, run_script
+from accel.launch._script_result import ScriptResult
+from accel.launch._script_run import RunningScript, run_script, start_script
 
-__all__ = ["ScriptResult", "fake_state", "run_distributed", "run_script"]
+__all__ = ["RunningScript", "ScriptResult", "fake_state", "run_distributed", "run_script",
+           "start_script"]
 
 R = TypeVar("R")
 

@@ -29,118 +29,16 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from accel._env import environ_snapshot, read_launch_env, read_variable
 from accel._settings import cpu_count
 from accel.errors import CollectiveTimeoutError, ConfigError, LaunchError
+from accel.launch._script_result import ScriptResult, exit_text, tail
 
-__all__ = ["ScriptResult", "run_script"]
+__all__ = ["RunningScript", "run_script", "start_script"]
 
 _GRACE_S = 3.0  # after one rank fails, how long the others get to end (as run_distributed)
-_TAIL_LINES = 25  # lines of a rank's output quoted in an error
+_POLL_S = 0.02  # wait_for's polling interval
 _HOST = "localhost"  # torch's agent gives its workers this MASTER_ADDR on one machine
-
-
-@attrs.frozen(kw_only=True)
-class ScriptResult:
-    """What each rank of a :func:`run_script` run did (tuples are indexed by rank).
-
-    Attributes:
-        script: the script as given.
-        args: its arguments.
-        exit_codes: each rank's exit status: the script's ``sys.exit`` code (1 after an
-            uncaught exception), or minus the signal that killed it (``-9``: killed at the
-            timeout, or after another rank failed).
-        stdout: each rank's standard output.
-        stderr: each rank's standard error.
-        timeout: the run's timeout, in seconds.
-        timed_out: the run reached its timeout and the ranks still running were killed.
-        failed_rank: the first failing rank (a rank that only lost its connection to a failed
-            peer is not taken for the cause), or ``None``.
-        traceback: that rank's Python traceback, trimmed to the script's frames as
-            ``accel launch`` reports it; ``None`` when it exited without an exception.
-    """
-
-    script: str
-    args: tuple[str, ...]
-    exit_codes: tuple[int, ...]
-    stdout: tuple[str, ...]
-    stderr: tuple[str, ...]
-    timeout: float
-    timed_out: bool = False
-    failed_rank: int | None = None
-    traceback: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        """Every rank exited 0 within the timeout."""
-        return not self.timed_out and all(code == 0 for code in self.exit_codes)
-
-    @property
-    def output(self) -> str:
-        """Every rank's standard output, one after the other in rank order."""
-        return "".join(self.stdout)
-
-    def check(self) -> ScriptResult:
-        """Return this result if every rank exited 0; else raise what went wrong.
-
-        Raises:
-            CollectiveTimeoutError: the run timed out; names the ranks still running and
-                quotes the end of their output.
-            LaunchError: a rank failed; names the first failing rank, its exit code, and
-                quotes its traceback (or the end of its standard error).
-
-        Example:
-            >>> run_script("train.py", check=False).check().exit_codes
-            (0, 0)
-        """
-        if self.timed_out:
-            raise CollectiveTimeoutError(self._describe_timeout())
-        if self.failed_rank is not None:
-            raise LaunchError(self._describe_failure(self.failed_rank))
-        return self
-
-    def _describe_failure(self, rank: int) -> str:
-        code = self.exit_codes[rank]
-        how = _exit_text(code)
-        if self.traceback:
-            last = self.traceback.rstrip().rsplit("\n", 1)[-1]
-            how = f"raised {last}" + (f" ({how})" if code != 1 else "")
-        lines = [f"run_script: {Path(self.script).name} failed on rank {rank} of "
-                 f"{len(self.exit_codes)}: {how}.",
-                 "exit codes by rank: " + ", ".join(str(c) for c in self.exit_codes)]
-        if self.traceback:
-            lines += [f"----- traceback of rank {rank} -----", self.traceback.rstrip("\n")]
-        else:
-            lines += [f"----- end of rank {rank}'s stderr -----", _tail(self.stderr[rank])]
-        lines.append("-" * 40)
-        return "\n".join(lines)
-
-    def _describe_timeout(self) -> str:
-        hung = [rank for rank, code in enumerate(self.exit_codes) if code == -signal.SIGKILL]
-        lines = [f"run_script({self.script!r}) exceeded timeout={self.timeout!r}s: ranks "
-                 f"{hung} were still running and were killed (exit codes by rank: "
-                 + ", ".join(str(c) for c in self.exit_codes) + "). Look for a collective "
-                 "called on only some ranks, or pass a larger `timeout=`."]
-        for rank in hung:
-            lines += [f"----- end of rank {rank}'s stdout -----", _tail(self.stdout[rank]),
-                      f"----- end of rank {rank}'s stderr -----", _tail(self.stderr[rank])]
-        return "\n".join(lines)
-
-
-def _exit_text(code: int) -> str:
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by signal {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
-
-
-def _tail(text: str) -> str:
-    lines = text.rstrip("\n").splitlines()
-    return "\n".join(lines[-_TAIL_LINES:]) if lines else "(nothing)"
 
 
 def _script_worker(script: str, args: tuple[str, ...], cwd: str, environ: dict[str, str],
@@ -184,8 +82,8 @@ def _script_worker(script: str, args: tuple[str, ...], cwd: str, environ: dict[s
 
 
 def _launch_variables(script: str, args: Sequence[str], world_size: int,
-                      environ: Mapping[str, str]) -> tuple[dict[str, str], str]:
-    """The variables ``accel launch --nproc-per-node N --cpu`` would add, and its signals."""
+                      environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables ``accel launch --nproc-per-node N --cpu`` adds for its workers."""
     from accel._config_file import config_path, load_config
     from accel.launch.cli import build_parser
     from accel.launch.run import plan_launch
@@ -200,17 +98,18 @@ def _launch_variables(script: str, args: Sequence[str], world_size: int,
                        config_file=path if exists else None, gpu_count=lambda: 0,
                        cpu_count=cpu_count(),
                        omp_num_threads_set=read_variable("OMP_NUM_THREADS", environ) is not None)
+    found = dict(plan.worker_env)
     torchrun = list(plan.torchrun_args)
-    signals = ""
-    if "--signals-to-handle" in torchrun:
+    if "--signals-to-handle" in torchrun:  # torch's launcher exports them to its workers
         signals = torchrun[torchrun.index("--signals-to-handle") + 1]
-    return dict(plan.worker_env), signals
+        found["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals
+    return found
 
 
 def _rank_variables(rank: int, world_size: int, port: int, run_id: str, error_file: str,
-                    signals: str, environ: Mapping[str, str]) -> dict[str, str]:
+                    environ: Mapping[str, str]) -> dict[str, str]:
     """What torch's elastic agent sets for a worker on one machine (the agent hosts the store)."""
-    found = {
+    return {
         "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
         "ROLE_NAME": "default", "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1",
@@ -220,20 +119,224 @@ def _rank_variables(rank: int, world_size: int, port: int, run_id: str, error_fi
         "TORCHELASTIC_ERROR_FILE": error_file,
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
-    if signals:
-        found["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals
-    return found
 
 
-def _check_arguments(world_size: object, timeout: object) -> None:
+def _check_arguments(world_size: object, timeout: object, launch: bool) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(
             f"world_size={world_size!r} must be an integer >= 1, e.g. `world_size=2`."
+        )
+    if not launch and world_size != 1:
+        raise ConfigError(
+            f"launch=False runs the script as `python script.py` (one process), but "
+            f"world_size={world_size!r}. Pass `world_size=1`, or drop `launch=False`."
         )
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ConfigError(
             f"timeout={timeout!r} must be a number of seconds > 0, e.g. `timeout=120`."
         )
+
+
+class RunningScript:
+    """A script started by :func:`start_script`, running on its ranks.
+
+    Use it as a context manager (leaving the block kills what still runs and removes the
+    captured output), or call :meth:`wait`, which returns the :class:`ScriptResult`.
+
+    Example:
+        >>> with start_script("train.py", "--total-steps", "100") as run:
+        ...     run.wait_for("step 5")
+        ...     run.send_signal(signal.SIGTERM)
+        ...     result = run.wait()
+    """
+
+    def __init__(self, script: str, args: tuple[str, ...], *, world_size: int,
+                 environ: dict[str, str], cwd: str, timeout: float, launch: bool) -> None:
+        import torch.distributed as dist
+
+        from accel.testing import _context
+
+        self.script, self.args, self.timeout = script, args, timeout
+        self._deadline = time.monotonic() + timeout
+        self._tmp = tempfile.TemporaryDirectory(prefix="accel-script-")
+        self._files = [tuple(os.path.join(self._tmp.name, f"{rank}.{kind}")
+                             for kind in ("out", "err", "error.json"))
+                       for rank in range(world_size)]
+        self._store: Any = None
+        environs = [environ]
+        if launch:
+            # torch's agent hosts the rendezvous store and its workers join it as clients
+            self._store = dist.TCPStore(  # type: ignore[attr-defined]
+                _HOST, 0, is_master=True, wait_for_workers=False)
+            run_id = uuid.uuid4().hex
+            environs = [{**environ, **_rank_variables(rank, world_size, self._store.port, run_id,
+                                                      self._files[rank][2], environ)}
+                        for rank in range(world_size)]
+        ctx = _context()
+        self._procs = [
+            ctx.Process(target=_script_worker,
+                        args=(script, args, cwd, environs[rank], *self._files[rank][:2]),
+                        name=f"accel-script-rank-{rank}")
+            for rank in range(world_size)
+        ]
+        self._ended: dict[int, float] = {}
+        self._result: ScriptResult | None = None
+        try:
+            for proc in self._procs:
+                proc.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def stdout(self, rank: int = 0) -> str:
+        """What ``rank`` has written to its standard output so far."""
+        return _read(self._files[rank][0])
+
+    def stderr(self, rank: int = 0) -> str:
+        """What ``rank`` has written to its standard error so far."""
+        return _read(self._files[rank][1])
+
+    def wait_for(self, text: str, *, rank: int = 0, count: int = 1,
+                 timeout: float | None = None) -> None:
+        """Return once ``rank``'s stdout holds ``text`` ``count`` times.
+
+        Raises:
+            LaunchError: the rank ended first; quotes its output.
+            CollectiveTimeoutError: not seen within ``timeout`` seconds (default: what is
+                left of the run's timeout).
+        """
+        limit = self._deadline if timeout is None else time.monotonic() + timeout
+        while self.stdout(rank).count(text) < count:
+            proc = self._procs[rank]
+            if proc.exitcode is not None and self.stdout(rank).count(text) < count:
+                raise LaunchError(
+                    f"run_script: rank {rank} of {Path(self.script).name} ended "
+                    f"({exit_text(proc.exitcode)}) before printing {text!r} x{count}.\n"
+                    f"----- its stdout -----\n{tail(self.stdout(rank))}\n"
+                    f"----- its stderr -----\n{tail(self.stderr(rank))}"
+                )
+            if time.monotonic() >= limit:
+                raise CollectiveTimeoutError(
+                    f"run_script: rank {rank} of {Path(self.script).name} did not print "
+                    f"{text!r} x{count} in time; its stdout so far:\n{tail(self.stdout(rank))}"
+                )
+            proc.join(_POLL_S)
+
+    def send_signal(self, signum: int, rank: int | None = None) -> None:
+        """Send ``signum`` to one rank's process, or to every rank's still running."""
+        ranks = range(len(self._procs)) if rank is None else [rank]
+        for r in ranks:
+            proc = self._procs[r]
+            if proc.pid is not None and proc.exitcode is None:
+                try:
+                    os.kill(proc.pid, signum)
+                except ProcessLookupError:  # ended in the meantime
+                    pass
+
+    def wait(self, *, check: bool = True) -> ScriptResult:
+        """Wait for every rank (the run's timeout applies); return or raise as ``run_script``.
+
+        After a rank fails, the others get a few seconds to end, then are killed.
+        """
+        if self._result is None:
+            stopped, timed_out = self._wait()
+            self.close()
+            codes = tuple(int(p.exitcode if p.exitcode is not None else -signal.SIGKILL)
+                          for p in self._procs)
+            outputs = [(_read(out), _read(err), _error_record(record))
+                       for out, err, record in self._files]
+            records = [record for _, _, record in outputs]
+            failed, trace = _root_cause(codes, records, self._ended, stopped)
+            if failed is not None and trace is None and codes[failed] == 1:
+                trace = _traceback_in(outputs[failed][1])  # `python script.py`: no record
+            self._result = ScriptResult(
+                script=self.script, args=self.args, exit_codes=codes,
+                stdout=tuple(out for out, _, _ in outputs),
+                stderr=tuple(err for _, err, _ in outputs), timeout=self.timeout,
+                timed_out=timed_out, failed_rank=failed, traceback=trace,
+            )
+            self._tmp.cleanup()
+        return self._result.check() if check else self._result
+
+    def _wait(self) -> tuple[set[int], bool]:
+        """Wait for the ranks; which were still running at the end, and whether time ran out."""
+        procs = self._procs
+        grace_end: float | None = None
+        while len(self._ended) < len(procs):
+            now = time.monotonic()
+            limit = self._deadline if grace_end is None else min(self._deadline, grace_end)
+            if now >= limit:
+                break
+            wait([p.sentinel for r, p in enumerate(procs) if r not in self._ended],
+                 timeout=limit - now)
+            for rank, proc in enumerate(procs):
+                if rank not in self._ended and proc.exitcode is not None:
+                    self._ended[rank] = time.time()  # the clock of the error records
+                    if proc.exitcode != 0 and grace_end is None:
+                        grace_end = time.monotonic() + _GRACE_S
+        stopped = {rank for rank in range(len(procs)) if rank not in self._ended}
+        return stopped, bool(stopped) and grace_end is None
+
+    def close(self) -> None:
+        """Kill every rank still running, with the processes it started; reap them all."""
+        for proc in self._procs:
+            if proc.pid is not None and proc.exitcode is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):  # not its group leader yet
+                    proc.kill()
+        for proc in self._procs:
+            if proc.pid is not None:
+                proc.join(10)
+        self._store = None  # the rendezvous store's server stops
+
+    def __enter__(self) -> RunningScript:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        self._tmp.cleanup()
+
+
+def start_script(
+    script: str | os.PathLike[str],
+    *args: str | os.PathLike[str],
+    world_size: int = 2,
+    env: Mapping[str, str | None] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    timeout: float = 300.0,
+    launch: bool = True,
+) -> RunningScript:
+    """Start what :func:`run_script` runs and return at once, with a handle on the ranks.
+
+    For tests that act on a running script: wait for a line, send a signal, kill it. The
+    arguments are :func:`run_script`'s.
+
+    Example:
+        >>> with start_script("train.py", world_size=2) as run:
+        ...     run.wait_for("step 10")
+        ...     run.send_signal(signal.SIGTERM)
+        ...     assert run.wait().exit_codes == (0, 0)
+    """
+    _check_arguments(world_size, timeout, launch)
+    name = os.fspath(script)
+    arguments = tuple(os.fspath(a) for a in args)
+    workdir = os.path.abspath(os.getcwd() if cwd is None else os.fspath(cwd))
+    if not os.path.isfile(os.path.join(workdir, name)):
+        raise ConfigError(
+            f"run_script: script {name!r} not found (looked in cwd={workdir!r}). Give a "
+            "path to an existing file, absolute or relative to `cwd=`."
+        )
+    environ = environ_snapshot()
+    for key, value in (env or {}).items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    if launch:
+        environ.update(_launch_variables(name, arguments, world_size, environ))
+    return RunningScript(name, arguments, world_size=world_size, environ=environ, cwd=workdir,
+                         timeout=float(timeout), launch=launch)
 
 
 def run_script(
@@ -244,6 +347,7 @@ def run_script(
     cwd: str | os.PathLike[str] | None = None,
     timeout: float = 300.0,
     check: bool = True,
+    launch: bool = True,
 ) -> ScriptResult:
     """Run ``script args`` as ``accel launch --nproc-per-node N --cpu`` would, on warm workers.
 
@@ -264,6 +368,8 @@ def run_script(
         cwd: the working directory of every rank (default: this process's).
         timeout: seconds before the ranks still running are killed.
         check: raise when a rank fails or the run times out (else see the result).
+        launch: ``False`` runs the script as ``python script.py args`` would instead: one
+            process, no launcher variables (``world_size=1``).
 
     Returns:
         A :class:`ScriptResult`: each rank's exit code, stdout and stderr.
@@ -281,98 +387,9 @@ def run_script(
         >>> result.exit_codes, "finished" in result.output
         ((0, 0), True)
     """
-    _check_arguments(world_size, timeout)
-    name = os.fspath(script)
-    arguments = tuple(os.fspath(a) for a in args)
-    workdir = os.path.abspath(os.getcwd() if cwd is None else os.fspath(cwd))
-    if not os.path.isfile(os.path.join(workdir, name)):
-        raise ConfigError(
-            f"run_script: script {name!r} not found (looked in cwd={workdir!r}). Give a "
-            "path to an existing file, absolute or relative to `cwd=`."
-        )
-    environ = environ_snapshot()
-    for key, value in (env or {}).items():
-        if value is None:
-            environ.pop(key, None)
-        else:
-            environ[key] = value
-    plan_variables, signals = _launch_variables(name, arguments, world_size, environ)
-    environ.update(plan_variables)
-    import torch.distributed as dist
-
-    from accel.testing import _context
-
-    ctx = _context()
-    with tempfile.TemporaryDirectory(prefix="accel-script-") as tmp:
-        # torch's agent hosts the rendezvous store and its workers join it as clients
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            _HOST, 0, is_master=True, wait_for_workers=False)
-        run_id = uuid.uuid4().hex
-        files = [(os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err"),
-                  os.path.join(tmp, f"{rank}.error.json")) for rank in range(world_size)]
-        procs = [
-            ctx.Process(
-                target=_script_worker,
-                args=(name, arguments, workdir,
-                      {**environ, **_rank_variables(rank, world_size, store.port, run_id,
-                                                    files[rank][2], signals, environ)},
-                      files[rank][0], files[rank][1]),
-                name=f"accel-script-rank-{rank}",
-            )
-            for rank in range(world_size)
-        ]
-        try:
-            for proc in procs:
-                proc.start()
-            ended, stopped, timed_out = _wait(procs, timeout)
-        finally:
-            _kill(procs)
-            del store
-        codes = tuple(int(proc.exitcode if proc.exitcode is not None else -signal.SIGKILL)
-                      for proc in procs)
-        outputs = [(_read(out), _read(err), _error_record(record))
-                   for out, err, record in files]
-    failed, trace = _root_cause(codes, [record for _, _, record in outputs], ended, stopped)
-    result = ScriptResult(
-        script=name, args=arguments, exit_codes=codes,
-        stdout=tuple(out for out, _, _ in outputs), stderr=tuple(err for _, err, _ in outputs),
-        timeout=timeout, timed_out=timed_out, failed_rank=failed, traceback=trace,
-    )
-    return result.check() if check else result
-
-
-def _wait(procs: list[Any], timeout: float) -> tuple[dict[int, float], set[int], bool]:
-    """Wait for the ranks; when each ended, which were stopped, and whether time ran out."""
-    deadline = time.monotonic() + timeout
-    grace_end: float | None = None
-    ended: dict[int, float] = {}
-    while len(ended) < len(procs):
-        now = time.monotonic()
-        limit = deadline if grace_end is None else min(deadline, grace_end)
-        if now >= limit:
-            break
-        running = [proc.sentinel for rank, proc in enumerate(procs) if rank not in ended]
-        wait(running, timeout=limit - now)
-        for rank, proc in enumerate(procs):
-            if rank not in ended and proc.exitcode is not None:
-                ended[rank] = time.time()  # the clock of the error records
-                if proc.exitcode != 0 and grace_end is None:
-                    grace_end = time.monotonic() + _GRACE_S
-    stopped = {rank for rank in range(len(procs)) if rank not in ended}
-    return ended, stopped, bool(stopped) and grace_end is None
-
-
-def _kill(procs: list[Any]) -> None:
-    """Kill every rank still running, with the processes it started; reap them all."""
-    for proc in procs:
-        if proc.pid is not None and proc.exitcode is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):  # not its group leader yet
-                proc.kill()
-    for proc in procs:
-        if proc.pid is not None:
-            proc.join(10)
+    with start_script(script, *args, world_size=world_size, env=env, cwd=cwd,
+                      timeout=timeout, launch=launch) as run:
+        return run.wait(check=check)
 
 
 def _read(path: str) -> str:
@@ -381,6 +398,12 @@ def _read(path: str) -> str:
             return file.read()
     except FileNotFoundError:  # killed before it opened its files
         return ""
+
+
+def _traceback_in(stderr: str) -> str | None:
+    """The last traceback printed on ``stderr`` (a script run without the launcher)."""
+    start = stderr.rfind("Traceback (most recent call last):")
+    return stderr[start:] if start != -1 else None
 
 
 def _error_record(path: str) -> tuple[str, float] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from accel.errors import CollectiveTimeoutError, ConfigError, LaunchError
-from accel.testing import ScriptResult, run_script
+from accel.testing import ScriptResult, run_script, start_script
 
 # What a launched worker sees: its variables (those the launcher added), its place, its state.
 REPORT = '''
@@ -206,6 +207,59 @@ def test_a_hung_rank_is_killed_at_the_timeout(tmp_path: Path) -> None:
         result.check()
     assert "waiting on rank 1" in str(info.value)  # the hung rank's last output
     assert multiprocessing.active_children() == []
+
+
+LOOP = '''
+import os, time
+for step in range(10_000):
+    print(f"step {step} on rank {os.environ.get('RANK')}")
+    time.sleep(0.01)
+'''
+
+
+def test_start_script_gives_a_handle_on_the_running_ranks(tmp_path: Path) -> None:
+    script = _write(tmp_path, LOOP)
+    with start_script(script, world_size=2) as run:
+        run.wait_for("step 3 on rank 1", rank=1)
+        run.wait_for("step 2 on rank 0")
+        assert "step 1 on rank 1" in run.stdout(1) and run.stderr(0) == ""
+        run.send_signal(signal.SIGTERM)
+        result = run.wait(check=False)
+    assert result.exit_codes == (-signal.SIGTERM, -signal.SIGTERM)
+    assert result.failed_rank is not None and not result.timed_out
+    assert result.stdout[1].startswith("step 0 on rank 1\nstep 1 on rank 1\n")
+    assert multiprocessing.active_children() == []
+
+
+def test_wait_for_reports_a_rank_that_ended_first(tmp_path: Path) -> None:
+    script = _write(tmp_path, "print('only this')\n")
+    with start_script(script, world_size=1) as run, pytest.raises(
+            LaunchError, match=r"rank 0 of train\.py ended \(exit code 0\) before printing "
+                               r"'never' x1(.|\n)*only this"):
+        run.wait_for("never")
+    with start_script(_write(tmp_path, LOOP, "loop.py"), world_size=1) as run, pytest.raises(
+            CollectiveTimeoutError, match="did not print 'never' x1 in time"):
+        run.wait_for("never", timeout=0.5)
+
+
+def test_launch_false_runs_it_as_plain_python(tmp_path: Path) -> None:
+    script = _write(tmp_path, (
+        "import os, sys\n"
+        "import accel\n"
+        "print(__name__, sys.argv[1:], os.environ.get('RANK'), os.environ.get('ACCEL_CPU'))\n"
+        "with accel.distributed() as st:\n"
+        "    print(st.world_size, st.backend)\n"
+        "def fail():\n"
+        "    raise KeyError('no such column')\n"
+        "fail()\n"
+    ))
+    result = run_script(script, "a", launch=False, world_size=1, check=False)
+    assert result.stdout == ("__main__ ['a'] None None\n1 None\n",)
+    assert result.exit_codes == (1,) and result.failed_rank == 0
+    assert result.traceback is not None and "in fail" in result.traceback
+    assert result.traceback.rstrip().endswith("KeyError: 'no such column'")
+    with pytest.raises(ConfigError, match=r"launch=False runs the script as `python script\.py`"):
+        run_script(script, launch=False)  # world_size=2
 
 
 def test_bad_arguments_are_config_errors(tmp_path: Path) -> None:
