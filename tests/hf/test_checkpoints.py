@@ -61,7 +61,7 @@ def _resume(family: str, state_dir: str, strategy: str) -> dict[str, Any]:
         info = accel.load_state(state_dir, model=model, optimizer=optimizer, scheduler=scheduler)
         assert info is not None and info.step == SAVE_AT
         loss = M.step(model, optimizer, family, SAVE_AT, scheduler=scheduler)
-    weights = M.state(model)
+        weights = M.state(model)
     return {"loss": loss, "state": weights if accel.state().is_main_process else None}
 
 

@@ -1,9 +1,11 @@
 """Real transformers models train alike on 1 process, DDP and FSDP (2 gloo processes).
 
 One launch of 2 processes trains every family several ways (DDP, FSDP, with accumulation,
-with gradient checkpointing, in bf16) on the same global batches, each rank taking its half;
-the test process trains the same model on one process. fp32 runs must agree to 1e-5 (losses
-and every weight); bf16 runs only stay close. Skipped without transformers and peft.
+with HF gradient checkpointing, in bf16) on the same global batches, each rank taking its
+half; the test process trains the same model on one process. fp32 runs must agree to 1e-5
+(losses, clipped gradient norms and every weight); bf16 runs only stay close. The trained
+DDP and FSDP models then ``generate()`` (through ``unwrap_model``, as the no_trainer
+examples do), which must give a plain copy's tokens. Skipped without transformers and peft.
 """
 
 from __future__ import annotations
@@ -156,6 +158,10 @@ def _assert_trained(run: dict[str, Any], family: str) -> None:
     assert moved > 1e-3
 
 
+def _mean_abs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return torch.cat([(a[k].float() - b[k].float()).abs().flatten() for k in b]).mean().item()
+
+
 families = pytest.mark.parametrize("family", M.FAMILIES)
 
 
@@ -193,10 +199,6 @@ def test_gradient_checkpointing_changes_nothing(
     assert plain["block_calls"] == STEPS
     assert checkpointed["block_calls"] == 2 * STEPS  # the block really ran again in backward
     _assert_same(checkpointed, plain)
-
-
-def _mean_abs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return torch.cat([(a[k].float() - b[k].float()).abs().flatten() for k in b]).mean().item()
 
 
 @pytest.mark.parametrize("family", M.GENERATIVE)
