@@ -7,7 +7,9 @@ returned, so a later check also shows that the ranks' collectives stayed in step
 
 from __future__ import annotations
 
+import json
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -208,3 +210,52 @@ def test_debug_mode_also_names_the_disagreement(tmp_path: Path) -> None:
     for rank, text in enumerate(results):
         _check_timely(rank, "step", text)
         assert "step" in text and "rank 0" in text and "rank 1" in text
+
+
+def _reseal(ck: Path, filename: str) -> None:
+    manifest = json.loads((ck / "manifest.json").read_text())
+    data = (ck / filename).read_bytes()
+    for entry in manifest["files"]:
+        if entry["name"] == filename:
+            entry["size"], entry["crc32"] = len(data), zlib.crc32(data)
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _edit(ck: Path, name: str, edit: Callable[[Any], None]) -> None:
+    body = json.loads((ck / f"{name}.json").read_text())
+    edit(body["state"])
+    (ck / f"{name}.json").write_text(json.dumps(body))
+    _reseal(ck, f"{name}.json")
+
+
+def _bad_values(root_name: str) -> dict[str, Any]:
+    rank = accel.state().rank
+    root = Path(root_name)
+    model = _model(1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lr_ck = accel.save_state(root / "lr", model=model, optimizer=opt)
+    rng_ck = accel.save_state(root / "rng", model=model, optimizer=opt)
+    if rank == 0:
+        _edit(lr_ck, "optimizer", lambda s: s["param_groups"][0].__setitem__("lr", "abc"))
+        # a file only rank 1 restores from
+        _edit(rng_ck, "rng_rank1", lambda s: s["python"].__setitem__("version", 99))
+    accel.wait_for_everyone()
+    target = _model(9.0)
+    target_opt = torch.optim.SGD(target.parameters(), lr=0.5)
+    out = {
+        "lr": _attempt(lambda: accel.load_state(lr_ck, model=target, optimizer=target_opt)),
+        "rng": _attempt(lambda: accel.load_state(rng_ck, model=target, optimizer=target_opt)),
+    }
+    out["untouched"] = bool(torch.all(target.weight == 9.0)) and (
+        target_opt.param_groups[0]["lr"] == 0.5)
+    return out
+
+
+def test_refused_values_fail_on_every_rank_and_change_nothing(tmp_path: Path) -> None:
+    results = run_distributed(_bad_values, str(tmp_path), world_size=2, timeout=60)
+    for rank, out in enumerate(results):
+        _check_timely(rank, "lr", out["lr"])
+        assert "['lr']" in out["lr"] and "abc" in out["lr"], out["lr"]
+        _check_timely(rank, "rng", out["rng"])
+        assert "rank 1" in out["rng"] and "['version']" in out["rng"], out["rng"]
+        assert out["untouched"], f"rank {rank} changed an object although the load failed"
