@@ -23,6 +23,7 @@ What it uses of accel, marked `# accel:` below:
 - `save_state` every `--save-every` steps (numbered, the newest `--total-limit` kept) and on
   `stop_requested()`; `--resume` with `load_state`, which puts the model, AdamW, the schedule
   and the data loader's position back (the batches already seen are not replayed);
+- a greedy sample from the trained model (`generate`, run on every process under FSDP);
 - the final weights as a transformers model directory (the no_trainer pattern:
   `save_pretrained` with the full state dict from `get_state_dict`).
 """
@@ -141,7 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=64, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per process and batch")
     p.add_argument("--grad-accum", type=int, default=2, help="batches per optimizer step")
-    p.add_argument("--max-steps", type=int, default=20, help="optimizer steps in all")
+    p.add_argument("--max-steps", type=int, default=40, help="optimizer steps in all")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup-steps", type=int, default=2)
@@ -150,12 +151,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
                    default=True)
     p.add_argument("--eval-every", type=int, default=10, help="steps; 0: at the end only")
-    p.add_argument("--save-every", type=int, default=5,
+    p.add_argument("--save-every", type=int, default=10,
                    help="steps between checkpoints; 0: only when stopped")
     p.add_argument("--total-limit", type=int, default=2, help="checkpoints kept")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from CHECKPOINT, or from the newest one under "
                         "OUTPUT_DIR/checkpoints when no path is given (if there is one)")
+    p.add_argument("--prompt", default="The keeper", help="text the final model continues")
+    p.add_argument("--sample-tokens", type=int, default=48, help="0: no sample")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -203,7 +206,9 @@ def main() -> None:
             latest = args.resume == "latest"
             info = accel.load_state(checkpoints if latest else args.resume,
                                     missing_ok=latest, **objects)
-            if info is not None:
+            if info is None:
+                accel.print(f"no checkpoint under {checkpoints}: starting from step 0")
+            else:
                 step = info.step or 0
                 accel.print(f"resumed from step {step} ({info.path.name}, saved on "
                             f"{info.world_size} processes, running on {world})")
@@ -251,6 +256,13 @@ def main() -> None:
         eval_loss = evaluate(model, eval_loader)
         accel.print(f"eval loss {eval_loss:.6f} perplexity {math.exp(eval_loss):.4f} "
                     f"at step {step}", flush=True)
+        if args.sample_tokens:  # greedy; under FSDP every process runs every forward
+            prompt = encode(args.prompt).unsqueeze(0).to(accel.state().device)
+            model.eval()
+            with torch.no_grad():
+                sample = model.generate(prompt, max_new_tokens=args.sample_tokens,
+                                        do_sample=False)
+            accel.print(f"sample: {decode(sample[0])!r}", flush=True)
         final = args.output_dir / "final"
         # accel: the full weights (gathered from the shards, every rank takes part), written
         # by the main process in the transformers layout next to config.json
