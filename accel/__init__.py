@@ -122,6 +122,7 @@ _LAZY: dict[str, str] = {
     "find_executable_batch_size": "accel.memory",
     "free_memory": "accel.memory",
     "join_uneven_inputs": "accel.uneven",
+    "estimate_memory": "accel.tools.estimate",
     # launching
     "notebook_launcher": "accel.launch.notebook",
     "debug_launcher": "accel.launch.notebook",
@@ -229,6 +230,7 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.progress_bar import progress as progress
     from accel.scheduling import prepare_scheduler as prepare_scheduler
     from accel.seeding import set_seed as set_seed
+    from accel.tools.estimate import estimate_memory as estimate_memory
     from accel.trackers import get_tracker as get_tracker
     from accel.trackers import log as log
     from accel.trackers import tracking as tracking

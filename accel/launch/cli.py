@@ -1,4 +1,6 @@
-"""The ``accel`` command: ``accel launch | config | env | test``.
+"""The ``accel`` command: ``accel launch | config | env | test`` and the toolbox commands
+(``estimate-memory``, ``merge-weights``, ``checkpoint``, ``config import``: see
+:mod:`accel.tools.commands`).
 
 ``python -m accel.launch`` is the same command; there the subcommand may be left out
 (``python -m accel.launch train.py`` means ``accel launch train.py``).
@@ -16,7 +18,7 @@ from accel.errors import AccelError
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = ("launch", "config", "env", "test")
+_COMMANDS = ("launch", "config", "env", "test", "estimate-memory", "merge-weights", "checkpoint")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         'env'
     """
     from accel.launch.run import add_launch_options
+    from accel.tools.commands import add_commands, add_config_import
 
     parser = argparse.ArgumentParser(
         prog="accel", description="Launch and configure distributed PyTorch training.",
@@ -62,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "~/.config/accel/config.toml)")
     config.add_argument("--force", action="store_true",
                         help="with --default: overwrite an existing file")
+    add_config_import(config)
 
     env = commands.add_parser(
         "env", allow_abbrev=False, help="versions, devices, config and resolved settings",
@@ -77,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "on the configured processes and print PASS or FAIL.",
     )
     add_launch_options(test)
+    add_commands(commands)
     return parser
 
 
@@ -147,6 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(args)
     try:
+        from accel.tools.commands import run
+
+        code = run(ns)
+        if code is not None:
+            return code
         if ns.command == "launch":
             from accel.launch.run import launch
 
