@@ -23,7 +23,8 @@ from torch import nn
 
 import accel
 from accel._state import scope
-from accel.checkpoint._values import check_values
+from accel.checkpoint._values import check_gradients, check_rng, check_values
+from accel.checkpoint.rng import get_rng_state
 from accel.errors import CheckpointError
 
 
@@ -318,6 +319,25 @@ def test_check_values_directly() -> None:
     with pytest.raises(CheckpointError, match="momentum"):
         check_values("optimizer", opt, bad)
     check_values("other", object(), {"anything": "goes"})  # objects accel does not know
+    opt.param_groups[0]["dtype"] = torch.float32  # a dtype stays a dtype
+    with pytest.raises(CheckpointError, match="'dtype'"):
+        check_values("optimizer", opt, {**good, "param_groups": [
+            {**good["param_groups"][0], "dtype": "float32"}]})
+
+
+def test_rng_shapes_and_gradients_directly() -> None:
+    live = get_rng_state()
+    swapped = {**live, "torch": live["python"]["state"]}  # an int64 tensor of 625 values
+    with pytest.raises(CheckpointError, match=r"\['torch'\].*shape"):
+        check_rng("rng_rank0", live, swapped)
+    check_rng("rng_rank0", live, live)
+    model = nn.Linear(2, 3)
+    check_gradients("model", "model__gradients_rank0", model, {"weight": torch.zeros(3, 2)})
+    for grads, needle in [({"weight": torch.zeros(2, 3)}, "shape"),
+                          ({"weight": torch.zeros(3, 2, dtype=torch.int64)}, "floating"),
+                          ({"nope": torch.zeros(1)}, "no parameter")]:
+        with pytest.raises(CheckpointError, match=needle):
+            check_gradients("model", "model__gradients_rank0", model, grads)
 
 
 def test_accelerate_format_values_are_checked_too(tmp_path: Path) -> None:
@@ -360,9 +380,13 @@ def test_model_weights_with_integer_data_for_float_parameters_are_refused(
     save_file(weights, tmp_path / "model.safetensors")
     target = nn.Linear(3, 3)
     before = target.weight.detach().clone()
-    with pytest.raises(CheckpointError, match="'weight' is torch.int32"):
+
+    def load() -> None:
         if dispatch:
             accel.load_checkpoint_and_dispatch(target, tmp_path, device_map={"": "cpu"})
         else:
             accel.load_checkpoint_in_model(target, tmp_path / "model.safetensors")
+
+    with pytest.raises(CheckpointError, match=r"'weight' is torch\.int32"):
+        load()
     assert torch.equal(target.weight, before)
