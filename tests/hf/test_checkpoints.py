@@ -1,12 +1,13 @@
 """Real transformers models through accel's checkpoints: resume anywhere, load with transformers.
 
-One launch of 2 processes trains every family with FSDP, saves its state (``save_state``)
-after SAVE_AT steps and takes the next step (the uninterrupted run), then writes the weights
-with ``accel.save_model`` and with the no_trainer ``save_pretrained`` pattern. The state is
-loaded by FSDP and DDP on 2 processes (same launch), by both on 3 processes (one more launch)
-and by one process (the test process); each takes the next step, which must equal the
-uninterrupted one (loss and every weight, 1e-5). The saved weights must load with
-transformers' (or peft's) ``from_pretrained`` and give the trained model's logits.
+One launch of 2 processes trains every family with FSDP, and again with DDP, saves its state
+(``save_state``: model, AdamW, transformers' warmup schedule) after SAVE_AT steps and takes
+the next step (the uninterrupted run); the FSDP model's weights are then written with
+``accel.save_model`` and with the no_trainer ``save_pretrained`` pattern. The FSDP state is
+loaded by FSDP and DDP, the DDP state by FSDP, on 2 processes (same launch) and on 3 (one
+more launch), and both by one process (the test process); each takes the next step, which
+must equal the uninterrupted one (loss and every weight, 1e-5). The saved weights must load
+with transformers' (or peft's) ``from_pretrained`` and give the trained model's logits.
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ pytestmark = [
 
 SAVE_AT = 2  # steps before save_state; the next step is global batch SAVE_AT
 TOL = 1e-5
+SAVERS = ("fsdp", "ddp")
+RESUMES = [("fsdp", "fsdp"), ("fsdp", "ddp"), ("ddp", "fsdp")]  # (saved by, loaded by)
 
 
 def _paths(root: str, family: str) -> dict[str, str]:
     base = os.path.join(root, family)
-    return {k: os.path.join(base, k) for k in ("state", "save_model", "no_trainer")}
+    names = ("state_fsdp", "state_ddp", "save_model", "no_trainer")
+    return {k: os.path.join(base, k) for k in names}
 
 
 def _attempt(fn: Any, *args: Any) -> Any:
@@ -82,20 +86,33 @@ def _save_weights(model: torch.nn.Module, family: str, paths: dict[str, str]) ->
 
 
 def _train_and_save(family: str, root: str) -> dict[str, Any]:
+    """For each saving strategy: train, save_state, take the next step (the uninterrupted
+    run); save the FSDP model's weights; resume each pair of RESUMES on these 2 processes."""
     paths = _paths(root, family)
-    with accel.distributed(strategy="fsdp"):
-        model, optimizer, scheduler = _prepared(family, seed=0)
-        M.train(model, optimizer, family, range(SAVE_AT), scheduler=scheduler)
-        accel.save_state(
-            paths["state"], step=SAVE_AT, model=model, optimizer=optimizer, scheduler=scheduler
-        )
-        loss = M.step(model, optimizer, family, SAVE_AT, scheduler=scheduler)
-        weights = M.state(model)
-    out: dict[str, Any] = {"loss": loss, "state": weights}
-    out["saved"] = _attempt(_save_weights, model, family, paths)
-    for strategy in ("fsdp", "ddp"):
-        out[f"resumed_{strategy}"] = _attempt(_resume, family, paths["state"], strategy)
+    out: dict[str, Any] = {}
+    for saver in SAVERS:
+        with accel.distributed(strategy=saver):
+            model, optimizer, scheduler = _prepared(family, seed=0)
+            M.train(model, optimizer, family, range(SAVE_AT), scheduler=scheduler)
+            accel.save_state(
+                paths[f"state_{saver}"], step=SAVE_AT, model=model, optimizer=optimizer,
+                scheduler=scheduler,
+            )
+            loss = M.step(model, optimizer, family, SAVE_AT, scheduler=scheduler)
+            weights = M.state(model)
+            if saver == "fsdp":
+                out["saved"] = _attempt(_save_weights, model, family, paths)
+        out[saver] = {"loss": loss, "state": weights if accel.state().is_main_process else None}
+    out["resumed"] = _resumes(family, root)
     return out
+
+
+def _resumes(family: str, root: str) -> dict[str, Any]:
+    paths = _paths(root, family)
+    return {
+        f"{saver}->{loader}": _attempt(_resume, family, paths[f"state_{saver}"], loader)
+        for saver, loader in RESUMES
+    }
 
 
 def _save_body(families: tuple[str, ...], root: str) -> dict[str, Any]:
@@ -103,13 +120,7 @@ def _save_body(families: tuple[str, ...], root: str) -> dict[str, Any]:
 
 
 def _resume_body(families: tuple[str, ...], root: str) -> dict[str, Any]:
-    return {
-        family: {
-            strategy: _attempt(_resume, family, _paths(root, family)["state"], strategy)
-            for strategy in ("fsdp", "ddp")
-        }
-        for family in families
-    }
+    return {family: _resumes(family, root) for family in families}
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +141,7 @@ def _ok(value: Any, what: str) -> Any:
     return value
 
 
-def _uninterrupted(saved: tuple[str, dict[str, Any]], family: str) -> dict[str, Any]:
+def _trained(saved: tuple[str, dict[str, Any]], family: str) -> dict[str, Any]:
     return _ok(saved[1][family], f"training and saving {family!r} on 2 processes")  # type: ignore[no-any-return]
 
 
@@ -140,36 +151,42 @@ def _assert_next_step_equal(resumed: dict[str, Any], expected: dict[str, Any]) -
 
 
 families = pytest.mark.parametrize("family", M.FAMILIES)
-strategies = pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+resumes = pytest.mark.parametrize(("saver", "loader"), RESUMES)
 
 
 @families
-@strategies
-def test_fsdp_state_from_2_resumes_on_2(
-    saved: tuple[str, dict[str, Any]], family: str, strategy: str
+@resumes
+def test_state_saved_on_2_resumes_on_2(
+    saved: tuple[str, dict[str, Any]], family: str, saver: str, loader: str
 ) -> None:
-    expected = _uninterrupted(saved, family)
-    resumed = _ok(expected[f"resumed_{strategy}"], f"{strategy} load_state of {family!r} on 2")
-    _assert_next_step_equal(resumed, expected)
+    trained = _trained(saved, family)
+    resumed = _ok(trained["resumed"][f"{saver}->{loader}"],
+                  f"{loader} load_state of {family!r} ({saver} state) on 2")
+    _assert_next_step_equal(resumed, trained[saver])
 
 
 @families
-@strategies
-def test_fsdp_state_from_2_resumes_on_3(
-    saved: tuple[str, dict[str, Any]], resumed_on_3: dict[str, Any], family: str, strategy: str
+@resumes
+def test_state_saved_on_2_resumes_on_3(
+    saved: tuple[str, dict[str, Any]], resumed_on_3: dict[str, Any], family: str, saver: str,
+    loader: str,
 ) -> None:
-    expected = _uninterrupted(saved, family)
-    resumed = _ok(resumed_on_3[family][strategy], f"{strategy} load_state of {family!r} on 3")
-    _assert_next_step_equal(resumed, expected)
+    trained = _trained(saved, family)
+    resumed = _ok(resumed_on_3[family][f"{saver}->{loader}"],
+                  f"{loader} load_state of {family!r} ({saver} state) on 3")
+    _assert_next_step_equal(resumed, trained[saver])
 
 
 @families
-def test_fsdp_state_from_2_resumes_on_1(saved: tuple[str, dict[str, Any]], family: str) -> None:
+@pytest.mark.parametrize("saver", SAVERS)
+def test_state_saved_on_2_resumes_on_1(
+    saved: tuple[str, dict[str, Any]], family: str, saver: str
+) -> None:
     root, _ = saved
-    expected = _uninterrupted(saved, family)
+    trained = _trained(saved, family)
     with accel.distributed(), pytest.warns(UserWarning, match="RNG states are not restored"):
-        resumed = _resume(family, _paths(root, family)["state"], "fsdp")
-    _assert_next_step_equal(resumed, expected)
+        resumed = _resume(family, _paths(root, family)[f"state_{saver}"], "fsdp")
+    _assert_next_step_equal(resumed, trained[saver])
 
 
 def _trained_logits(expected: dict[str, Any], family: str) -> torch.Tensor:
@@ -190,8 +207,9 @@ def test_save_model_loads_with_from_pretrained(
     saved: tuple[str, dict[str, Any]], family: str
 ) -> None:
     root, _ = saved
-    expected = _uninterrupted(saved, family)
-    _ok(expected["saved"], f"saving the weights of {family!r}")
+    trained = _trained(saved, family)
+    _ok(trained["saved"], f"saving the weights of {family!r}")
+    expected = trained["fsdp"]
     directory = _paths(root, family)["save_model"]
     if family == "llama_lora":
         # the full peft state dict (base and adapters): a fresh peft model loads it
@@ -209,8 +227,9 @@ def test_no_trainer_save_pretrained_loads_with_from_pretrained(
     import peft
 
     root, _ = saved
-    expected = _uninterrupted(saved, family)
-    _ok(expected["saved"], f"saving the weights of {family!r}")
+    trained = _trained(saved, family)
+    _ok(trained["saved"], f"saving the weights of {family!r}")
+    expected = trained["fsdp"]
     directory = _paths(root, family)["no_trainer"]
     if family == "llama_lora":
         # adapters only, as peft writes them; the frozen base is the seed-0 Llama
