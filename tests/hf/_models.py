@@ -1,6 +1,6 @@
 """Tiny transformers (and peft) models for the real-model matrix, built from configs.
 
-Nothing is downloaded: every model is made from a small config (2 layers, hidden 16-32, a
+Nothing is downloaded: every model is made from a small config (2 layers, hidden size 32, a
 vocabulary of 96) with a fixed seed, dropout off and eager attention, so that two builds with
 the same seed are the same model. The data are fixed too: global batch ``index`` is the same
 tensors on every rank and every world size, and each rank takes its equal slice of the rows,
@@ -37,7 +37,6 @@ CLIP = 1.0  # max gradient norm
 LR = 2e-3  # AdamW: an update's rounding error scales with it; 3 steps still move weights ~5e-3
 
 FAMILIES = ("gpt2", "llama_tied", "llama", "bert", "t5", "mixtral", "llama_lora")
-TIED = ("gpt2", "llama_tied", "t5", "llama_lora")  # save_state must canonicalise the tie
 
 
 def quiet_transformers() -> None:
