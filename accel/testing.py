@@ -34,9 +34,13 @@ __all__ = ["RunningScript", "ScriptResult", "fake_state", "run_distributed", "ru
 R = TypeVar("R")
 
 _POLL_S = 0.02
-# what the warm server imports once, before it forks workers (run_script's entry point too)
-_PRELOAD = ["torch", "torch.distributed", "accel.testing", "accel.launch.worker",
-            "accel._warm_server"]  # last: freezes what the others imported
+# What the warm server imports once, before it forks workers: torch, torch._dynamo (which
+# torch imports on first use of an optimizer or of torch.compile: seconds in every fresh
+# process), FSDP and distributed checkpoints, accel and run_script's entry point;
+# accel._warm_server, last, imports accel's public modules and freezes all of it.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp",
+            "torch.distributed.checkpoint", "accel.testing", "accel.launch.worker",
+            "accel._warm_server"]
 _GRACE_S = 3.0  # after one rank fails, how long the others get to finish or fail too
 
 

@@ -4,31 +4,25 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from accel.testing import run_script
+
 BY_FEATURE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "by_feature"
 
-pytestmark = pytest.mark.slow  # each test launches 2 processes (a few seconds)
 
 
 def _launch(tmp_path: pathlib.Path, script: str, *args: str) -> str:
-    """Run ``accel launch --nproc-per-node 2 --cpu`` on the script; return its stdout."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "accel.launch", "--nproc-per-node", "2", "--cpu",
-         str(BY_FEATURE / script), *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
+    """Run the script on 2 CPU processes as ``accel launch --nproc-per-node 2 --cpu`` would
+    (forked from warm workers by ``run_script``, which raises if a rank fails); return every
+    rank's stdout, in rank order."""
+    return run_script(BY_FEATURE / script, *args, world_size=2, cwd=tmp_path,
+                      env={"OMP_NUM_THREADS": "1"}).output
 
 
 def _number(pattern: str, text: str) -> float:
