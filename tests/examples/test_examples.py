@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+
+from accel.testing import ScriptResult, run_script
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 
@@ -33,22 +32,23 @@ CASES = {
 }
 
 
-def _run(cmd: list[str], cwd: pathlib.Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
+def _run(name: str, *args: str, cwd: pathlib.Path, launch: bool = True) -> ScriptResult:
+    """The example as ``accel launch --nproc-per-node 2 --cpu examples/NAME ARGS`` runs it
+    (``launch=False``: as ``python examples/NAME ARGS``), forked from warm workers by
+    ``run_script``, which raises if a process exits non-zero."""
+    return run_script(EXAMPLES / name, *args, world_size=2 if launch else 1, cwd=cwd,
+                      env={"OMP_NUM_THREADS": "1"}, launch=launch)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_example_on_two_cpu_processes(name: str, tmp_path: pathlib.Path) -> None:
     args, pattern = CASES[name]
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    proc = _run([sys.executable, "-m", "accel.launch", "--nproc-per-node", "2", "--cpu",
-                 str(EXAMPLES / name), *args], tmp_path)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    found = re.findall(pattern.replace("{tmp}", re.escape(str(tmp_path))), proc.stdout)
-    assert len(found) == 1, (pattern, proc.stdout[-2000:])
+    done = _run(name, *args, cwd=tmp_path)
+    assert done.exit_codes == (0, 0)
+    stdout = done.output  # both processes' output (accel launch prints them interleaved)
+    found = re.findall(pattern.replace("{tmp}", re.escape(str(tmp_path))), stdout)
+    assert len(found) == 1, (pattern, stdout[-2000:])
     if name == "tracking.py":  # the run directory holds the logged rows
         files = sorted((tmp_path / "runs").glob("*/metrics.jsonl"))
         assert len(files) == 1, files
@@ -56,7 +56,7 @@ def test_example_on_two_cpu_processes(name: str, tmp_path: pathlib.Path) -> None
         assert any("train/loss" in row for row in rows)
         evals = [row for row in rows if "eval/epoch" in row]  # nested keys joined with "/"
         assert [row["eval/epoch"] for row in evals] == [0]
-        printed = re.findall(r"epoch 0: accuracy (\d\.\d{3})", proc.stdout)
+        printed = re.findall(r"epoch 0: accuracy (\d\.\d{3})", stdout)
         assert printed == [f"{evals[0]['eval/accuracy']:.3f}"]
     if name == "checkpointing.py":  # the printed checkpoint is a complete one
         latest = pathlib.Path(found[0].split(": ", 1)[1])
@@ -65,22 +65,20 @@ def test_example_on_two_cpu_processes(name: str, tmp_path: pathlib.Path) -> None
         assert (tmp_path / "pre" / "final" / "model.safetensors").is_file()
 
 
-@pytest.mark.slow
 def test_resume_example_continues_where_it_stopped(tmp_path: pathlib.Path) -> None:
-    base = [sys.executable, "-m", "accel.launch", "--nproc-per-node", "2", "--cpu",
-            str(EXAMPLES / "resume.py"), "--output-dir", str(tmp_path / "r")]
-    first = _run([*base, "--total-steps", "10"], tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = _run([*base, "--total-steps", "20"], tmp_path)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "starting at step 10" in second.stdout and "finished at step 20" in second.stdout
+    out = ["--output-dir", str(tmp_path / "r")]
+    first = _run("resume.py", *out, "--total-steps", "10", cwd=tmp_path)
+    assert first.exit_codes == (0, 0)
+    second = _run("resume.py", *out, "--total-steps", "20", cwd=tmp_path)
+    assert second.exit_codes == (0, 0)
+    assert "starting at step 10" in second.output and "finished at step 20" in second.output
 
 
-@pytest.mark.slow
 def test_notebook_launcher_example_from_plain_python(tmp_path: pathlib.Path) -> None:
-    proc = _run([sys.executable, str(EXAMPLES / "notebook_launcher.py"), "--epochs", "1",
-                 "--num-processes", "2"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert len(re.findall(r"epoch 0: accuracy (?:0\.\d{3}|1\.000)", proc.stdout)) == 1
-    final = re.findall(r"final accuracy on 2 processes: (0\.\d{3}|1\.000)", proc.stdout)
-    assert len(final) == 1, proc.stdout[-2000:]
+    # the launcher's own end-to-end test (a fresh interpreter) is in tests/cli/test_notebook.py
+    done = _run("notebook_launcher.py", "--epochs", "1", "--num-processes", "2", cwd=tmp_path,
+                launch=False)
+    assert done.exit_codes == (0,)
+    assert len(re.findall(r"epoch 0: accuracy (?:0\.\d{3}|1\.000)", done.output)) == 1
+    final = re.findall(r"final accuracy on 2 processes: (0\.\d{3}|1\.000)", done.output)
+    assert len(final) == 1, done.output[-2000:]
