@@ -26,11 +26,18 @@ def sharded_state(module: nn.Module) -> dict[str, torch.Tensor] | None:
     """
     if not holds_dtensors(module.parameters()):
         return None
-    return {k: v.detach() for k, v in module.state_dict().items()}
+    detached: dict[int, torch.Tensor] = {}  # tied names keep sharing one tensor
+    return {
+        k: detached.setdefault(id(v), v.detach())
+        for k, v in module.state_dict(keep_vars=True).items()
+    }
 
 
 def gather(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each tensor in full on the CPU: DTensors are all-gathered, in the mapping's order.
+
+    A tensor object under several names (tied weights) is gathered once, and the names share
+    the result, as they share the tensor in the model.
 
     Every rank must call it with the same keys in the same order (a collective per DTensor).
 
@@ -39,8 +46,10 @@ def gather(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """
     cls = dtensor_type()
     out: dict[str, torch.Tensor] = {}
+    done: dict[int, torch.Tensor] = {}  # a tensor under several names (tied) is gathered once
     for key, value in tensors.items():
-        if cls is not None and isinstance(value, cls):
-            value = value.full_tensor()  # type: ignore[attr-defined]
-        out[key] = value.detach().to("cpu")
+        if id(value) not in done:
+            full = value.full_tensor() if cls is not None and isinstance(value, cls) else value
+            done[id(value)] = full.detach().to("cpu")
+        out[key] = done[id(value)]
     return out

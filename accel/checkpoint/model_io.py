@@ -18,6 +18,7 @@ from accel.checkpoint._atomic import leftovers, temp_sibling, write_file_atomica
 from accel.checkpoint._format import write_bytes, write_safetensors
 from accel.checkpoint._paths import as_module, as_path
 from accel.checkpoint._safe_io import MAX_JSON_BYTES, load_json, read_bounded
+from accel.checkpoint._ties import tie_map
 from accel.errors import CheckpointError
 from accel.model import unwrap_model
 
@@ -228,8 +229,13 @@ def save_model(
     as_module(model, "accel.save_model")
     limit = _parse_size(max_shard_size)
     each = _nodes.resolve(on_each_node, "save_model")
-    sharded = _full_weights.sharded_state(unwrap_model(model))  # FSDP: gathered file by file
+    module = unwrap_model(model)
+    sharded = _full_weights.sharded_state(module)  # FSDP: gathered file by file
     tensors = get_state_dict(model) if sharded is None else sharded
+    tied = tie_map(module)  # a tied weight is written once, under its first name
+    if tied:
+        tensors = {k: v for k, v in tensors.items() if k not in tied}
+        sharded = None if sharded is None else tensors
     if not _nodes.writes(each):
         if sharded is not None:  # every rank takes part in each file's gathers, in order
             for shard in _shards(sharded, limit):

@@ -53,8 +53,18 @@ def _save_body(root: str, family: str) -> dict[str, Any]:
     for i in range(STEPS):
         _step(model, optimizer, i)
     path = accel.save_state(root, step=STEPS, model=model, optimizer=optimizer)
+    accel.save_model(model, f"{root}/weights", max_shard_size="2KB")  # shards: one gather each
+    full = accel.get_state_dict(model)
+    alias, first = _ALIASES[family]
+    shared = alias in full and full[alias] is full[first]  # gathered once, shared as in the model
     loss = _step(model, optimizer, STEPS)
-    return {"path": str(path), "loss": loss, "next": accel.get_state_dict(model)}
+    return {"path": str(path), "loss": loss, "next": accel.get_state_dict(model), "shared": shared}
+
+
+_ALIASES = {
+    "toy": ("head.weight", "embed.weight"),
+    "gpt2": ("lm_head.weight", "transformer.wte.weight"),
+}
 
 
 def _load_body(root: str, family: str, strategy: str) -> dict[str, Any]:
@@ -111,10 +121,7 @@ def test_fsdp_checkpoint_of_a_tied_model_loads_on_one_process(saved: Any) -> Non
 def test_the_tied_tensor_is_stored_once_under_its_first_name(saved: Any) -> None:
     family, _, uninterrupted = saved
     path = pathlib.Path(uninterrupted["path"])
-    alias, first = (
-        ("head.weight", "embed.weight") if family == "toy"
-        else ("lm_head.weight", "transformer.wte.weight")
-    )
+    alias, first = _ALIASES[family]
     body = json.loads((path / "model.json").read_text())
     assert alias not in body["state"] and first in body["state"]
     assert body["extra"]["tied"] == {alias: first}
@@ -150,3 +157,15 @@ def test_ddp_checkpoint_loads_into_a_model_tied_after_loading(tmp_path: pathlib.
     untied.head.weight = untied.embed.weight  # the tie, made after loading
     for a, b in zip(tied.state_dict().values(), untied.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_full_weights_of_a_tied_fsdp_model_hold_the_tie_once(saved: Any) -> None:
+    family, root, uninterrupted = saved
+    alias, first = _ALIASES[family]
+    assert uninterrupted["shared"]
+    index = json.loads((root / "weights" / "model.safetensors.index.json").read_text())
+    assert first in index["weight_map"] and alias not in index["weight_map"]
+    model = tm.MODELS[family](seed=5)
+    accel.load_checkpoint_in_model(model, root / "weights")
+    tied = dict(model.named_parameters(remove_duplicate=False))
+    assert tied[alias] is tied[first]
