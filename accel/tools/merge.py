@@ -237,8 +237,11 @@ def _accel_source(path: Path, wanted: str | None) -> _Source:
     if refs.used:
         meta = files.get(f"{name}.safetensors")
         tensor_path = path / f"{name}.safetensors"
-        if meta is None:
-            raise CheckpointError(f"Checkpoint file {os.fspath(tensor_path)!r} is missing.")
+        if meta is None or not os.path.lexists(tensor_path):
+            raise CheckpointError(
+                f"Checkpoint file {os.fspath(tensor_path)!r} is missing: the checkpoint is "
+                "incomplete. Use an earlier checkpoint."
+            )
         full, _ = read_safetensors(tensor_path, expected_crc32=meta["crc32"],
                                    expected_size=meta["size"], follow_links=False)
         headers = {k: (tuple(t.shape), t.dtype) for k, t in full.items()}
@@ -451,7 +454,12 @@ def merge_weights(
     target = Path(out).expanduser()
     _check_out(target, source_path)
     config_raw = None if config is None else _config_bytes(config)
-    source = (_accel_source if kind == "accel" else _accelerate_source)(source_path, object_name)
+    read = _accel_source if kind == "accel" else _accelerate_source
+    try:
+        source = read(source_path, object_name)
+    except OSError as exc:  # unreadable: permissions, I/O errors (refusals are CheckpointErrors)
+        raise CheckpointError(f"Cannot read the checkpoint at {os.fspath(source_path)!r}: "
+                              f"{exc}. Nothing was written.") from None
     shards = _plan(source.entries, cast, limit)
     names = ([_SAFE_WEIGHTS] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
@@ -481,13 +489,18 @@ def merge_weights(
                 "was created there meanwhile. Give a new directory."
             ) from None
         fsync_dir(target.parent)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         for folder in created:  # parents made for this output, deepest first, if still empty
             try:
                 folder.rmdir()
             except OSError:
                 break
+        if isinstance(exc, OSError):  # a full disk, permissions, a file vanished meanwhile
+            raise CheckpointError(
+                f"merge-weights {os.fspath(source_path)!r} -> {os.fspath(target)!r} failed "
+                f"({exc}); nothing was written."
+            ) from exc
         raise
     files = (*names, *([_SAFE_INDEX] if len(shards) > 1 else []),
              *(["config.json"] if config_raw is not None else []))
