@@ -49,7 +49,10 @@ def gather(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     done: dict[int, torch.Tensor] = {}  # a tensor under several names (tied) is gathered once
     for key, value in tensors.items():
         if id(value) not in done:
-            full = value.full_tensor() if cls is not None and isinstance(value, cls) else value
+            full = (
+                value.full_tensor()  # type: ignore[attr-defined]
+                if cls is not None and isinstance(value, cls) else value
+            )
             done[id(value)] = full.detach().to("cpu")
         out[key] = done[id(value)]
     return out
