@@ -5,24 +5,24 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-import os
 import pathlib
-import subprocess
-import sys
 from types import ModuleType
 
 import pytest
 import torch
+
+from accel.testing import ScriptResult, run_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "big_model_inference.py"
 BENCH = ROOT / "bench" / "big_model.py"
 
 
-def _run(cmd: list[str], cwd: pathlib.Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
+def _run(script: pathlib.Path, *args: str, cwd: pathlib.Path, world_size: int) -> ScriptResult:
+    """``accel launch --nproc-per-node 2 --cpu SCRIPT ARGS`` (world_size 2) or ``python SCRIPT
+    ARGS`` (world_size 1), forked from warm workers by ``run_script`` (raises on a failure)."""
+    return run_script(script, *args, world_size=world_size, cwd=cwd, launch=world_size > 1,
+                      env={"OMP_NUM_THREADS": "1"})
 
 
 def _example_module() -> ModuleType:
@@ -41,13 +41,14 @@ def _device_map(stdout: str) -> dict[str, str]:
     return value
 
 
-def _check_run(proc: subprocess.CompletedProcess[str], out: pathlib.Path, world: int) -> None:
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "loads with torch.load; outputs equal" in proc.stdout
-    assert "flow 2 in RAM: hf_device_map" in proc.stdout
-    assert f"match the fully loaded model on {world} process(es)" in proc.stdout
+def _check_run(done: ScriptResult, out: pathlib.Path, world: int) -> None:
+    assert done.exit_codes == (0,) * world
+    stdout = done.output
+    assert "loads with torch.load; outputs equal" in stdout
+    assert "flow 2 in RAM: hf_device_map" in stdout
+    assert f"match the fully loaded model on {world} process(es)" in stdout
     # part of the model ran from disk, part from RAM, and blocks were never split
-    device_map = _device_map(proc.stdout)
+    device_map = _device_map(stdout)
     assert "disk" in device_map.values() and "cpu" in device_map.values(), device_map
     assert not any(name.count(".") > 1 for name in device_map), device_map
     for rank in range(world):
@@ -60,29 +61,25 @@ def _check_run(proc: subprocess.CompletedProcess[str], out: pathlib.Path, world:
     model.load_state_dict(state)
 
 
-@pytest.mark.slow
 def test_big_model_example_on_two_cpu_processes(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "out"
-    proc = _run([sys.executable, "-m", "accel.launch", "--nproc-per-node", "2", "--cpu",
-                 str(EXAMPLE), "--output-dir", str(out)], tmp_path)
-    _check_run(proc, out, world=2)
+    done = _run(EXAMPLE, "--output-dir", str(out), cwd=tmp_path, world_size=2)
+    _check_run(done, out, world=2)
 
 
-@pytest.mark.slow
 def test_big_model_example_as_plain_python(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "out"
-    proc = _run([sys.executable, str(EXAMPLE), "--output-dir", str(out)], tmp_path)
-    _check_run(proc, out, world=1)
+    done = _run(EXAMPLE, "--output-dir", str(out), cwd=tmp_path, world_size=1)
+    _check_run(done, out, world=1)
     assert not (out / "offload-rank1").exists()
 
 
 @pytest.mark.slow
 def test_big_model_bench_smoke_run_accel_only(tmp_path: pathlib.Path) -> None:
     # cases (b) torch file and (c) disk offload: one fresh child each (~3 s apiece)
-    proc = _run([sys.executable, str(BENCH), "--layers", "2", "--size", "256", "--repeats",
-                 "1", "--cases", "bc", "--no-accelerate", "--dir", str(tmp_path)], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
+    done = _run(BENCH, "--layers", "2", "--size", "256", "--repeats", "1", "--cases", "bc",
+                "--no-accelerate", "--dir", str(tmp_path), cwd=tmp_path, world_size=1)
+    report = json.loads(done.output)
     assert report["accelerate"] is None and set(report["results"]) == {"accel"}
     results = report["results"]["accel"]
     assert set(results) == {"b", "c"}

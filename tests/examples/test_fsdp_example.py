@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 from types import ModuleType
 
 import pytest
 import torch
 
 import accel
+from accel.testing import run_script
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "fsdp.py"
 BATCH = 4  # the example's default --batch-size (per process)
@@ -44,14 +42,10 @@ def _example() -> ModuleType:
 
 
 def _launch(nproc: int, *args: str, cwd: pathlib.Path) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "accel.launch", "--nproc-per-node", str(nproc), "--cpu",
-         str(EXAMPLE), *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
+    """The example as ``accel launch --nproc-per-node NPROC --cpu`` runs it, forked from warm
+    workers by ``run_script`` (raises if a rank fails); every rank's stdout in rank order."""
+    return run_script(EXAMPLE, *args, world_size=nproc, cwd=cwd,
+                      env={"OMP_NUM_THREADS": "1"}).output
 
 
 def _losses(stdout: str) -> dict[int, float]:
@@ -113,14 +107,11 @@ def test_fsdp_example_saves_on_two_and_resumes_on_three(tmp_path: pathlib.Path) 
 @pytest.mark.slow
 def test_fsdp_bench_smoke_run(tmp_path: pathlib.Path) -> None:
     bench = EXAMPLE.parents[1] / "bench" / "fsdp.py"
-    proc = subprocess.run(
-        [sys.executable, str(bench), "--windows", "2", "--steps", "2", "--step-procs", "2",
-         "--ckpt-width", "64", "--ckpt-blocks", "2", "--repeat", "1", "--dir", str(tmp_path)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=300, check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
+    # as `python bench/fsdp.py ...` (raises if it fails)
+    done = run_script(bench, "--windows", "2", "--steps", "2", "--step-procs", "2",
+                      "--ckpt-width", "64", "--ckpt-blocks", "2", "--repeat", "1", "--dir",
+                      str(tmp_path), world_size=1, launch=False, env={"OMP_NUM_THREADS": "1"})
+    report = json.loads(done.output)
     for accumulation in (1, 4):
         steps = report[f"procs=2,accumulation={accumulation}"]
         assert steps["raw_us"] > 0 and steps["accel_us"] > 0
