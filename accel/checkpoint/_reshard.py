@@ -171,7 +171,8 @@ def _convert(value: Any, like: Any, pieces: _Pieces | None, what: str) -> Any:
     )
 
 
-def _module_state(name: str, module: nn.Module, saved: Any, pieces: _Pieces | None) -> Any:
+def _module_state(name: str, module: Any, saved: Any, pieces: _Pieces | None) -> Any:
+    """A module's (or any object's) saved state as its live ``state_dict()`` is shaped."""
     if not isinstance(saved, Mapping):
         return saved  # check_fits says what is wrong
     cls = dtensor_type()
@@ -299,4 +300,6 @@ def resolve(
             saved = _module_state(name, module, saved, pieces)
         elif isinstance(getattr(obj, "param_groups", None), list):
             saved = _optimizer_state(name, obj, saved, extra, model, pieces)
+        elif pieces is not None:  # another object saved with DTensors: shaped like its own
+            saved = _module_state(name, obj, saved, pieces)
         loaded[name] = (saved, extra)

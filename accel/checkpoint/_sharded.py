@@ -133,6 +133,17 @@ def _split(value: Any, cls: type, found: dict[str, Any], path: str = "") -> Any:
     return value
 
 
+def _holds(value: Any, cls: type) -> bool:
+    """Whether the nested ``value`` holds an instance of ``cls`` (a DTensor)."""
+    if isinstance(value, cls):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds(v, cls) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds(v, cls) for v in value)
+    return False
+
+
 def _local_pieces(
     dtensors: Mapping[str, Any],
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, list[int]]]]:
@@ -226,21 +237,28 @@ def plan_sharded(
                 "sync step: `if accel.sync_gradients(): accel.save_state(...)`."
             )
         extra: dict[str, Any] = {"accumulation_step": accumulation_step}
-    else:
+    elif isinstance(getattr(inner_optimizer(obj), "param_groups", None), list):
         target = obj
         if not holds_dtensors(_optimizer_params(obj)):
             return None
         model = owner_model(name, obj, objects, "save_state")
         extra = {"fqn_keys": True}
+    else:  # any other object whose state holds DTensors (e.g. a LoRA adapter's weights)
+        target = obj
+        extra = {}
     cls = dtensor_type()
-    if cls is None:  # unreachable: holds_dtensors found one
+    if cls is None:  # no DTensor exists in this process
         return None
     state_dict = _state_of(name, target, model)
-    tied = tie_map(target if model is None else model)
-    if model is None:  # a tied tensor is stored once, under its first name
-        state_dict = {k: v for k, v in state_dict.items() if k not in tied}
-    if tied:  # the optimizer's state is keyed by first names already (torch's FQNs)
-        extra[TIED] = tied
+    if not isinstance(target, nn.Module) and model is None:
+        if not _holds(state_dict, cls):
+            return None  # saved as usual (its state_dict() is called again there)
+    else:
+        tied = tie_map(target if model is None else model)
+        if model is None:  # a tied tensor is stored once, under its first name
+            state_dict = {k: v for k, v in state_dict.items() if k not in tied}
+        if tied:  # the optimizer's state is keyed by first names already (torch's FQNs)
+            extra[TIED] = tied
     dtensors: dict[str, Any] = {}
     skeleton = _split(state_dict, cls, dtensors)
     files: list[PlannedFile] = []

@@ -169,3 +169,36 @@ def test_full_weights_of_a_tied_fsdp_model_hold_the_tie_once(saved: Any) -> None
     accel.load_checkpoint_in_model(model, root / "weights")
     tied = dict(model.named_parameters(remove_duplicate=False))
     assert tied[alias] is tied[first]
+
+
+class _Adapter:
+    """A part of a model's weights, as a LoRA adapter's save hook would give (peft style)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model.state_dict().items() if k.startswith("blocks.0.")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state, strict=False)
+
+
+def _adapter_body(root: str, save: bool) -> dict[str, torch.Tensor]:
+    model, optimizer = _prepared("toy", "fsdp", seed=0 if save else 5)
+    if save:
+        _step(model, optimizer, 0)
+        accel.save_state(root, adapter=_Adapter(model))
+    else:
+        accel.load_state(root, adapter=_Adapter(model))
+    return {k: v for k, v in accel.get_state_dict(model).items() if k.startswith("blocks.0.")}
+
+
+def test_another_object_holding_fsdp_shards_saves_and_reshards(tmp_path: pathlib.Path) -> None:
+    saved = run_distributed(_adapter_body, str(tmp_path), True, world_size=2, timeout=120)[0]
+    for loaded in run_distributed(_adapter_body, str(tmp_path), False, world_size=3, timeout=120):
+        _close(loaded, saved)
+    plain = tm.toy(seed=5)
+    with pytest.warns(UserWarning, match="RNG states are not restored"):
+        accel.load_state(tmp_path, adapter=_Adapter(plain))
+    _close({k: v for k, v in plain.state_dict().items() if k in saved}, saved)
