@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from accel.launch.cli import main as accel_main
 
 # A tiny DDP training run: every rank prints one RESULT line (JSON) with what it saw.
 TRAIN_SCRIPT = '''
@@ -44,11 +48,14 @@ with accel.distributed() as st:
 '''
 
 
+# launcher and accel variables, which clean_env leaves out
+_DROP = ("ACCEL_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "GROUP_", "TORCHELASTIC_",
+         "PET_", "SLURM_", "OMPI_", "PMI_", "OMP_NUM_THREADS", "XDG_CONFIG_HOME")
+
+
 def clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """The test process's environment minus launcher/accel variables, with a private config dir."""
-    drop = ("ACCEL_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "GROUP_", "TORCHELASTIC_",
-            "PET_", "SLURM_", "OMPI_", "PMI_", "OMP_NUM_THREADS", "XDG_CONFIG_HOME")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_DROP)}
     env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -68,6 +75,49 @@ def run_accel(
         accel_command(*args), cwd=tmp_path, env=clean_env(tmp_path, **env), text=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, check=False,
     )
+
+
+class _Both(io.StringIO):
+    """Captures one stream and copies what it gets into a shared buffer (both streams)."""
+
+    def __init__(self, both: io.StringIO) -> None:
+        super().__init__()
+        self.both = both
+
+    def write(self, text: str) -> int:
+        self.both.write(text)
+        return super().write(text)
+
+
+def call_accel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str, stdin: str | None = None,
+    **env: str,
+) -> subprocess.CompletedProcess[str]:
+    """`accel ARGS` in this process (the command's entry point), as `run_accel` runs it.
+
+    For commands that only parse, plan or read files: no interpreter start. The working
+    directory, the environment (`clean_env`) and stdin are those of the run only;
+    ``stdout`` holds stdout and stderr together (as `run_accel` gives them), ``stderr``
+    stderr alone.
+    """
+    both = io.StringIO()
+    out, err = _Both(both), _Both(both)
+    with monkeypatch.context() as patch:
+        for key in list(os.environ):
+            if key.startswith(_DROP):
+                patch.delenv(key)
+        for key, value in {"XDG_CONFIG_HOME": str(tmp_path / "xdg"), "PYTHONUNBUFFERED": "1",
+                           **env}.items():
+            patch.setenv(key, value)
+        patch.chdir(tmp_path)
+        patch.setattr(sys, "stdin", io.StringIO(stdin or ""))
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = accel_main(list(args))
+            except SystemExit as exit:  # argparse's errors and --help
+                code = exit.code if isinstance(exit.code, int) else 1
+    return subprocess.CompletedProcess(["accel", *args], code, both.getvalue(),
+                                       err.getvalue())
 
 
 def results(output: str) -> list[dict[str, Any]]:

@@ -6,7 +6,6 @@ import json
 import os
 import pty
 import select
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -14,68 +13,76 @@ from typing import Any
 import pytest
 
 from accel.launch.config import load_config
-from tests.cli._helpers import accel_command, clean_env, run_accel
+from tests.cli._helpers import accel_command, call_accel, clean_env
 
 
-def _settings(tmp_path: Path, *args: str, **env: str) -> dict[str, Any]:
-    done = run_accel(tmp_path, "env", "--json", *args, **env)
+def _settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str,
+              **env: str) -> dict[str, Any]:
+    done = call_accel(tmp_path, monkeypatch, "env", "--json", *args, **env)
     assert done.returncode == 0, done.stdout
     info = json.loads(done.stdout)
     return {key: (item["value"], item["source"]) for key, item in info["settings"].items()}
 
 
-@pytest.mark.slow
-def test_env_shows_each_layer_overriding_the_one_below(tmp_path: Path) -> None:
+def test_env_shows_each_layer_overriding_the_one_below(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = tmp_path / "xdg" / "accel" / "config.toml"
     config.parent.mkdir(parents=True)
     config.write_text('mixed_precision = "fp16"\ngradient_accumulation_steps = 2\n'
                       "num_processes = 4\n")
-    base = _settings(tmp_path)
+    base = _settings(tmp_path, monkeypatch)
     assert base["mixed_precision"] == ("fp16", "config file")
     assert base["num_processes"] == (4, "config file")
     assert base["debug"] == (False, "default")
-    env_layer = _settings(tmp_path, ACCEL_MIXED_PRECISION="bf16")
+    env_layer = _settings(tmp_path, monkeypatch, ACCEL_MIXED_PRECISION="bf16")
     assert env_layer["mixed_precision"] == ("bf16", "environment")
     assert env_layer["gradient_accumulation_steps"] == (2, "config file")
-    cli_layer = _settings(tmp_path, "--mixed-precision", "no", "--num_processes", "2",
-                          ACCEL_MIXED_PRECISION="bf16")
+    cli_layer = _settings(tmp_path, monkeypatch, "--mixed-precision", "no", "--num_processes",
+                          "2", ACCEL_MIXED_PRECISION="bf16")
     assert cli_layer["mixed_precision"] == ("no", "command line")
     assert cli_layer["num_processes"] == (2, "command line")
     # $ACCEL_CONFIG_FILE beats the user config dir, --config-file beats both
     other = tmp_path / "other.toml"
     other.write_text("debug = true\n")
-    chosen = run_accel(tmp_path, "env", "--json", ACCEL_CONFIG_FILE=str(other))
+    chosen = call_accel(tmp_path, monkeypatch, "env", "--json", ACCEL_CONFIG_FILE=str(other))
     info = json.loads(chosen.stdout)
     assert info["config_file"] == {"path": str(other), "chosen_by": "$ACCEL_CONFIG_FILE",
                                    "exists": True}
     assert info["settings"]["debug"] == {"value": True, "source": "config file"}
     assert info["settings"]["mixed_precision"]["source"] == "default"
-    text = run_accel(tmp_path, "env", "--config-file", str(config))
+    text = call_accel(tmp_path, monkeypatch, "env", "--config-file", str(config))
     assert "config file: " + str(config) + " (--config-file; exists)" in text.stdout
     assert "mixed_precision             = fp16         [config file]" in text.stdout
     assert "- torch: " in text.stdout
     assert "- CPUs: " in text.stdout
 
 
-def test_invalid_config_file_is_a_clear_error(tmp_path: Path) -> None:
+def test_invalid_config_file_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('mixed_precision = "fp32"\n')
-    done = run_accel(tmp_path, "env", "--config-file", str(bad))
+    done = call_accel(tmp_path, monkeypatch, "env", "--config-file", str(bad))
     assert done.returncode == 2
     assert "mixed_precision='fp32'" in done.stdout
     assert "['no', 'fp16', 'bf16', 'fp8']" in done.stdout
     assert "Traceback" not in done.stdout
 
 
-def test_config_default_writes_and_does_not_overwrite(tmp_path: Path) -> None:
+def test_config_default_writes_and_does_not_overwrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     target = tmp_path / "cfg" / "accel.toml"
-    done = run_accel(tmp_path, "config", "--default", "--config-file", str(target))
+    done = call_accel(tmp_path, monkeypatch, "config", "--default", "--config-file", str(target))
     assert done.returncode == 0, done.stdout
     assert load_config(target)["mixed_precision"] == "no"
-    again = run_accel(tmp_path, "config", "--default", "--config-file", str(target))
+    again = call_accel(tmp_path, monkeypatch, "config", "--default", "--config-file",
+                       str(target))
     assert again.returncode == 1
     assert "--force" in again.stdout
-    forced = run_accel(tmp_path, "config", "--default", "--force", "--config-file", str(target))
+    forced = call_accel(tmp_path, monkeypatch, "config", "--default", "--force",
+                        "--config-file", str(target))
     assert forced.returncode == 0
 
 
@@ -138,11 +145,12 @@ def test_config_questionnaire_on_a_terminal(tmp_path: Path) -> None:
     }
 
 
-def test_config_stops_without_writing_when_input_ends(tmp_path: Path) -> None:
+def test_config_stops_without_writing_when_input_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     target = tmp_path / "never.toml"
-    done = subprocess.run(accel_command("config", "--config-file", str(target)),
-                          input="1\n", env=clean_env(tmp_path), cwd=tmp_path, text=True,
-                          capture_output=True, timeout=60, check=False)
+    done = call_accel(tmp_path, monkeypatch, "config", "--config-file", str(target),
+                      stdin="1\n")
     assert done.returncode == 1
     assert "nothing was written" in done.stderr
     assert not target.exists()
