@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from accel.launch.cli import main as accel_main
+from accel.launch.cli import module_main
 
 # A tiny DDP training run: every rank prints one RESULT line (JSON) with what it saw.
 TRAIN_SCRIPT = '''
@@ -91,10 +92,11 @@ class _Both(io.StringIO):
 
 def call_accel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str, stdin: str | None = None,
-    **env: str,
+    module: bool = False, **env: str,
 ) -> subprocess.CompletedProcess[str]:
     """`accel ARGS` in this process (the command's entry point), as `run_accel` runs it.
 
+    ``module=True``: `python -m accel.launch ARGS`'s entry point (the subcommand optional).
     For commands that only parse, plan or read files: no interpreter start. The working
     directory, the environment (`clean_env`) and stdin are those of the run only;
     ``stdout`` holds stdout and stderr together (as `run_accel` gives them), ``stderr``
@@ -113,7 +115,7 @@ def call_accel(
         patch.setattr(sys, "stdin", io.StringIO(stdin or ""))
         with redirect_stdout(out), redirect_stderr(err):
             try:
-                code = accel_main(list(args))
+                code = (module_main if module else accel_main)(list(args))
             except SystemExit as exit:  # argparse's errors and --help
                 code = exit.code if isinstance(exit.code, int) else 1
     return subprocess.CompletedProcess(["accel", *args], code, both.getvalue(),

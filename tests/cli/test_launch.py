@@ -1,25 +1,31 @@
-"""`accel launch` and `accel test` as subprocesses: real workers through torch's elastic agent."""
+"""`accel launch` as subprocesses (real workers through torch's elastic agent): options,
+free ports, failure reports, restarts, machines. Where only the command's parsing or planning
+is under test, the command runs in-process and the workers fork from warm ones (run_script)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
+import accel.launch.run
+from accel.launch.run import LaunchPlan
+from accel.testing import run_script
 from tests.cli._helpers import (
     TRAIN_SCRIPT,
     accel_command,
+    call_accel,
     clean_env,
     results,
     run_accel,
     write_script,
 )
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_two_cpu_processes_train_with_options(tmp_path: Path) -> None:
     write_script(tmp_path)
     done = run_accel(tmp_path, "launch", "--nproc-per-node", "2", "--mixed-precision", "bf16",
@@ -41,20 +47,28 @@ def test_two_cpu_processes_train_with_options(tmp_path: Path) -> None:
     assert ranks[0]["weights"] == ranks[1]["weights"]  # DDP kept them in sync
 
 
-def test_accelerate_flags_and_module_entry(tmp_path: Path) -> None:
+def test_accelerate_flags_and_module_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     write_script(tmp_path)
-    # `python -m accel.launch script.py` (no subcommand) is `accel launch script.py`
-    done = run_accel(tmp_path, "--num_processes", "2", "--num_machines", "1",
-                     "--mixed_precision", "fp16", "--gradient_accumulation_steps", "2", "--cpu",
-                     "--multi_gpu", "train.py")
-    assert done.returncode == 0, done.stdout
-    ranks = results(done.stdout)
+    # `python -m accel.launch script.py` (no subcommand) is `accel launch script.py`: planned
+    # in-process (--dry-run), then the planned workers' variables run the script, forked
+    planned = call_accel(tmp_path, monkeypatch, "--num_processes", "2", "--num_machines", "1",
+                         "--mixed_precision", "fp16", "--gradient_accumulation_steps", "2",
+                         "--cpu", "--multi_gpu", "--dry-run", "train.py", module=True)
+    assert planned.returncode == 0, planned.stdout
+    plan = json.loads(planned.stdout)
+    assert plan["nproc_per_node"] == 2
+    done = run_script(tmp_path / "train.py", world_size=plan["nproc_per_node"], cwd=tmp_path,
+                      env={**clean_env(tmp_path), **plan["worker_env"]})
+    ranks = results(done.output)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert {(r["mixed_precision"], r["gradient_accumulation_steps"]) for r in ranks} == {
         ("fp16", 2)
     }
 
 
+@pytest.mark.slow
 def test_two_launches_at_once_use_different_free_ports(tmp_path: Path) -> None:
     write_script(tmp_path)
     env = clean_env(tmp_path)
@@ -69,6 +83,7 @@ def test_two_launches_at_once_use_different_free_ports(tmp_path: Path) -> None:
     assert ports[0] != ports[1]
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_reported_with_its_traceback(tmp_path: Path) -> None:
     write_script(tmp_path, text=(
         "import accel\n"
@@ -91,6 +106,7 @@ def test_a_failing_rank_is_reported_with_its_traceback(tmp_path: Path) -> None:
     assert "error_file: <N/A>" not in out
 
 
+@pytest.mark.slow
 def test_a_killed_rank_restarts_and_the_job_completes(tmp_path: Path) -> None:
     marker = tmp_path / "killed-once"
     write_script(tmp_path, text=TRAIN_SCRIPT.replace(
@@ -121,6 +137,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_two_machines_on_one_host_train_together(tmp_path: Path) -> None:
     write_script(tmp_path)
     env = clean_env(tmp_path)
@@ -143,9 +160,21 @@ def test_two_machines_on_one_host_train_together(tmp_path: Path) -> None:
     assert node0[0]["weights"] == node1[0]["weights"]  # trained together, agree
 
 
+def _run_plan_forked(plan: LaunchPlan, what: str) -> int:
+    """`run_plan`, with the planned workers forked by run_script instead of torchrun's."""
+    args = list(plan.torchrun_args)
+    script, *script_args = args[args.index("accel.launch.worker") + 1:]
+    done = run_script(script, *script_args, world_size=plan.nproc_per_node,
+                      env=dict(plan.worker_env), check=False)
+    print(done.output, end="")
+    return next((code for code in done.exit_codes if code != 0), 0)
+
+
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_selftest_passes(tmp_path: Path, nproc: int) -> None:
-    done = run_accel(tmp_path, "test", "--nproc-per-node", str(nproc))
+def test_selftest_passes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nproc: int) -> None:
+    # `accel test` in-process: its plan and report; the self-check forked on warm workers
+    monkeypatch.setattr(accel.launch.run, "run_plan", _run_plan_forked)
+    done = call_accel(tmp_path, monkeypatch, "test", "--nproc-per-node", str(nproc))
     assert done.returncode == 0, done.stdout
     assert f"all checks passed on {nproc} process(es)" in done.stdout
     assert "ok  collectives" in done.stdout
@@ -153,8 +182,10 @@ def test_selftest_passes(tmp_path: Path, nproc: int) -> None:
     assert done.stdout.rstrip().endswith("accel test: PASS")
 
 
-def test_invalid_options_are_reported_without_a_traceback(tmp_path: Path) -> None:
-    done = run_accel(tmp_path, "launch", "--mixed-precision", "fp32", "train.py")
+def test_invalid_options_are_reported_without_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    done = call_accel(tmp_path, monkeypatch, "launch", "--mixed-precision", "fp32", "train.py")
     assert done.returncode == 2
     assert "accel launch: error:" in done.stdout
     assert "mixed_precision='fp32'" in done.stdout
