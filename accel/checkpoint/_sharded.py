@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from accel.checkpoint._objects import plan_object
-from accel.checkpoint._ties import TIED, tie_map
+from accel.checkpoint._ties import TIED, owner, tie_map
 from accel.checkpoint._writer import PlannedFile
 from accel.errors import AccelError, CheckpointArgumentError, CheckpointError
 from accel.model import unwrap_model
@@ -241,8 +241,8 @@ def plan_sharded(
         target = obj
         if not holds_dtensors(_optimizer_params(obj)):
             return None
-        model = owner_model(name, obj, objects, "save_state")
-        extra = {"fqn_keys": True}
+        model = owner(obj, objects)  # none passed: its state is kept by positions
+        extra = {"fqn_keys": True} if model is not None else {}
     else:  # any other object whose state holds DTensors (e.g. a LoRA adapter's weights)
         target = obj
         extra = {}
