@@ -269,8 +269,13 @@ def _root_listing(root: Path) -> list[dict[str, Any]]:
     found, itself = candidates(root)
     if itself:
         return []
-    listing = []
+    listing: list[dict[str, Any]] = []
     for path in found:
+        if _kind_of(path) == "accelerate":
+            step = path.name.rsplit("_", 1)[-1]
+            listing.append({"path": os.fspath(path), "complete": True,
+                            "step": int(step) if step.isdigit() else None})
+            continue
         try:
             manifest = read_manifest(path)
             listing.append({"path": os.fspath(path), "step": manifest["step"], "complete": True})
@@ -300,6 +305,12 @@ def inspect_checkpoint(
     return report
 
 
+def _kind_of(path: Path) -> str:
+    from accel.checkpoint._accelerate_format import _is_accelerate
+
+    return "accelerate" if _is_accelerate(path) else "accel"
+
+
 def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Verify every checkpoint at ``path`` (a root: each ``checkpoint_N``); collect problems.
 
@@ -318,17 +329,14 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     root = Path(path)
     target, kind = resolve_checkpoint(root)
     results = []
-    if target == root:
-        report = _describe(target, kind, False, True)
-        results.append({"path": report["path"], "problems": report["problems"]})
-    else:
-        for item in _root_listing(root):
-            if not item["complete"]:
-                results.append({"path": item["path"], "problems": [item["problem"]]})
-                continue
-            sub, sub_kind = resolve_checkpoint(Path(item["path"]))
-            report = _describe(sub, sub_kind, False, True)
-            results.append({"path": report["path"], "problems": report["problems"]})
+    found = [(target, kind)] if target == root else [
+        (Path(item["path"]), _kind_of(Path(item["path"]))) for item in _root_listing(root)]
+    for checkpoint, checkpoint_kind in found:
+        try:
+            problems = _describe(checkpoint, checkpoint_kind, False, True)["problems"]
+        except CheckpointError as exc:  # an unreadable manifest
+            problems = [str(exc)]
+        results.append({"path": os.fspath(checkpoint), "problems": problems})
     return {"path": os.fspath(root), "checkpoints": results,
             "ok": all(not r["problems"] for r in results)}
 
@@ -345,9 +353,10 @@ def format_report(report: Mapping[str, Any]) -> str:
     """
     lines = [f"checkpoint {report['path']} ({report['format']})"]
     if report["format"] == "accel":
-        lines.append(f"step {report['step']}, saved by {report['world_size']} process(es) "
-                     f"(ranks {report['ranks']}) at {report['created']}, torch {report['torch']}, "
-                     f"accel {report['accel']}")
+        step = "none (saved without step=)" if report["step"] is None else report["step"]
+        lines.append(f"step: {step}")
+        lines.append(f"saved by {report['world_size']} process(es) (ranks {report['ranks']}) at "
+                     f"{report['created']}; torch {report['torch']}, accel {report['accel']}")
         mesh = report["mesh"]
         lines.append("mesh: " + (f"1-D over {mesh['world_size']} ranks, FSDP pieces "
                                  f"{mesh['placement']}" if mesh else "none (no sharded object)"))
@@ -355,7 +364,9 @@ def format_report(report: Mapping[str, Any]) -> str:
     for obj in report["objects"]:
         text = f"  {obj['name']}"
         if "kind" in obj:
-            text += f": {obj['kind']}, {obj['layout']}, {_size(obj['bytes'])}"
+            text += f" ({obj['kind']}): {obj['layout']}, {_size(obj['bytes'])} in its files"
+        else:
+            text += f" ({obj['file']})"
         if obj.get("tied"):
             text += f", tied {obj['tied']}"
         lines.append(text)

@@ -182,12 +182,14 @@ def _checkpoint(ns: argparse.Namespace) -> int:
 
 
 def _config_import(ns: argparse.Namespace) -> int:
+    from accel._settings import toml_value
     from accel.tools.config_import import Outcome, import_accelerate_config
 
     def show(outcome: Outcome) -> None:
         if outcome.status == "mapped":
             note = f" ({outcome.reason})" if outcome.reason else ""
-            print(f"  {outcome.key}: {outcome.value!r} -> {outcome.setting}{note}")
+            print(f"  {outcome.key}: {outcome.value!r} -> {outcome.setting} = "
+                  f"{toml_value(outcome.written)}{note}")
         else:
             print(f"  {outcome.key}: {outcome.value!r} {outcome.status}: {outcome.reason}")
 

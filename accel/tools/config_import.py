@@ -78,16 +78,33 @@ _FSDP_REASONS = {
 }
 
 
+# FSDP options whose value is what accel does anyway: (values, why)
+_FSDP_SAME: dict[str, tuple[tuple[Any, ...], str]] = {
+    "fsdp_version": ((2, "2"), "accel's FSDP is FSDP2"),
+    "fsdp_auto_wrap_policy": (("TRANSFORMER_BASED_WRAP",), "accel shards the model's declared "
+                              "blocks (transformers' _no_split_modules) by default"),
+    "fsdp_offload_params": ((False,), "accel does not offload unless asked"),
+    "fsdp_reshard_after_forward": ((True, "FULL_SHARD"), "accel reshards after forward by "
+                                   "default"),
+    "fsdp_activation_checkpointing": ((False,), "off in accel too"),
+    "fsdp_cpu_ram_efficient_loading": ((False,), "off in accel too"),
+    "fsdp_sync_module_states": ((False,), "off in accel too"),
+    "fsdp_use_orig_params": ((True,), "FSDP2 always keeps the original parameters"),
+}
+
+
 @attrs.frozen
 class Outcome:
     """What became of one key: ``status`` is ``"mapped"``, ``"not needed"`` or
-    ``"not imported"``; ``setting`` the accel key it went to (mapped only)."""
+    ``"not imported"``; ``setting`` and ``written`` the accel key and value it became
+    (mapped only)."""
 
     key: str
     value: Any
     status: str
     setting: str | None = None
     reason: str = ""
+    written: object = None
 
 
 @attrs.frozen
@@ -169,10 +186,11 @@ def _fsdp(config: Any) -> list[Outcome]:
     found = []
     for key, value in config.items():
         name = f"fsdp_config.{key}"
-        if key == "fsdp_version" and value == 2:
-            found.append(Outcome(name, value, "not needed", reason="accel's FSDP is FSDP2"))
-        elif key == "fsdp_offload_params" and value is False:
-            found.append(Outcome(name, value, "not needed", reason="accel does not offload"))
+        same = _FSDP_SAME.get(str(key))
+        if same is not None and value in same[0]:
+            found.append(Outcome(name, value, "not needed", reason=same[1]))
+        elif key == "fsdp_state_dict_type":
+            found.append(Outcome(name, value, "not needed", reason=_FSDP_REASONS[key]))
         else:
             reason = _FSDP_REASONS.get(str(key), "an FSDP option without an accel config key; "
                                        "see docs/fsdp.md for the options prepare_model takes")
@@ -236,7 +254,8 @@ def map_keys(data: Mapping[str, Any], origin: str) -> tuple[dict[str, object], l
 
     def setting(key: str, value: Any, accel_key: str, reason: str = "") -> None:
         settings[accel_key] = validate_setting(accel_key, value, f"{origin}: {key}")
-        outcomes.append(Outcome(key, value, "mapped", accel_key, reason))
+        outcomes.append(
+            Outcome(key, data[key], "mapped", accel_key, reason, settings[accel_key]))
 
     for key, value in data.items():
         if key in _DIRECT:
@@ -245,7 +264,8 @@ def map_keys(data: Mapping[str, Any], origin: str) -> tuple[dict[str, object], l
             else:
                 setting(key, value, _DIRECT[key])
         elif key == "distributed_type":
-            mapped = _STRATEGY.get(str(value).upper())
+            # an unquoted NO is YAML 1.1's false (Accelerate writes it quoted)
+            mapped = _STRATEGY.get("NO" if value is False else str(value).upper())
             if mapped is None:
                 outcomes.append(Outcome(key, value, "not imported", reason=(
                     "accel runs DDP or FSDP on CUDA GPUs and CPUs only (no DeepSpeed, "

@@ -67,7 +67,7 @@ def _close(estimate: int, measured: int) -> None:
 
 @pytest.fixture
 def gpt2_dir(tmp_path: Path) -> Path:
-    model = gpt2()
+    model: Any = gpt2()
     model.config.save_pretrained(tmp_path / "gpt2")
     return tmp_path / "gpt2"
 

@@ -60,7 +60,8 @@ def fsdp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("fsdp")
     result = run_distributed(_train_and_save, str(root), world_size=2)[0]
     assert result is not None
-    gpt2().config.save_pretrained(root / "config")
+    model: Any = gpt2()
+    model.config.save_pretrained(root / "config")
     return {"root": root, **result}
 
 
@@ -177,7 +178,7 @@ def test_peak_memory_is_one_tensor_not_the_model(fsdp: dict[str, Any], tmp_path:
 
 
 @pytest.fixture
-def single(tmp_path: Path) -> tuple[Path, nn.Module]:
+def single(tmp_path: Path) -> tuple[Path, Any]:
     model = toy()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     accel.backward(loss_of(model, tokens(0)))
@@ -191,7 +192,7 @@ def _no_leftovers(parent: Path, name: str) -> None:
 
 
 def test_one_process_checkpoint_from_its_root(
-    single: tuple[Path, nn.Module], tmp_path: Path
+    single: tuple[Path, Any], tmp_path: Path
 ) -> None:
     path, model = single
     assert _merge(str(path.parent), str(tmp_path / "out" / "deep")) == 0
@@ -200,7 +201,7 @@ def test_one_process_checkpoint_from_its_root(
     assert stored.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(stored[key], value), key
-    fresh = toy(seed=9)
+    fresh: Any = toy(seed=9)
     accel.load_checkpoint_in_model(fresh, tmp_path / "out" / "deep", strict=True)
     assert torch.equal(fresh.head.weight, model.head.weight)
 
@@ -211,7 +212,7 @@ def test_one_process_checkpoint_from_its_root(
     ("delete", "missing"),
 ])
 def test_a_damaged_checkpoint_writes_nothing(
-    single: tuple[Path, nn.Module], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    single: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
     damage: str, words: str,
 ) -> None:
     path, _ = single
@@ -230,7 +231,7 @@ def test_a_damaged_checkpoint_writes_nothing(
 
 
 def test_not_a_checkpoint_and_bad_arguments_are_clear_errors(
-    single: tuple[Path, nn.Module], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    single: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, _ = single
     notes = tmp_path / "notes"
@@ -260,7 +261,7 @@ def test_not_a_checkpoint_and_bad_arguments_are_clear_errors(
 
 def test_accelerate_save_state_directory(tmp_path: Path) -> None:
     """Accelerate's layout, by hand: a DDP model's keys keep the `module.` prefix."""
-    model = toy(tie=False)
+    model: Any = toy(tie=False)
     acc = tmp_path / "acc" / "checkpoint_3"
     acc.mkdir(parents=True)
     save_file({f"module.{k}": v.contiguous() for k, v in model.state_dict().items()},

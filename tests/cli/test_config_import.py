@@ -1,0 +1,244 @@
+"""`accel config import`: Accelerate config files (YAML, JSON) to accel's TOML config file.
+
+The CLI runs in this process (`main([...])`). Every test checks what was written (through
+accel's own loader) or that nothing was; the last one converts a file written by Accelerate's
+own `accelerate config default`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from accel.launch.cli import main
+from accel.launch.config import load_config
+
+pytest.importorskip("yaml")
+
+FSDP_YAML = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_offload_params: false
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
+  fsdp_version: 2
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def _import(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["config", "import", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _write(tmp_path: Path, text: str, name: str = "acc.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_an_fsdp_config_maps_its_keys_and_explains_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source, target = _write(tmp_path, FSDP_YAML), tmp_path / "out" / "accel.toml"
+    code, out, _ = _import(capsys, str(source), "--config-file", str(target))
+    assert code == 0
+    assert load_config(target) == {
+        "strategy": "fsdp", "mixed_precision": "bf16", "num_processes": 8, "num_machines": 1,
+        "machine_rank": 0, "cpu": False, "debug": False,
+    }
+    assert target.read_text().startswith(f"# accel config file (imported from {source} by "
+                                         "`accel config import`)")
+    lines = out.splitlines()
+    assert "  distributed_type: 'FSDP' -> strategy = \"fsdp\"" in lines
+    assert "  use_cpu: False -> cpu = false" in lines
+    assert "  fsdp_config.fsdp_cpu_ram_efficient_loading: True not imported: not supported as " \
+           "a setting: build the model under `accel.init_empty_weights()` and load weights " \
+           "with `accel.load_checkpoint_in_model`" in lines
+    assert any(line.startswith("  fsdp_config.fsdp_transformer_layer_cls_to_wrap: "
+                               "'LlamaDecoderLayer' not imported: no config key: pass the "
+                               "class names as `accel.prepare_model(model, shard_modules=")
+               for line in lines), out
+    assert "  fsdp_config.fsdp_version: 2 not needed: accel's FSDP is FSDP2" in lines
+    assert "  rdzv_backend: 'static' not needed: the value is what accel does anyway" in lines
+    assert lines[-1] == f"accel config import: wrote {target} from {source}"
+    # every key of the file is accounted for
+    reported = {line.split(":")[0].strip() for line in lines[:-1]}
+    assert reported == {k for k in _top_keys(FSDP_YAML) if k != "fsdp_config"} | {
+        f"fsdp_config.{k}" for k in _fsdp_keys(FSDP_YAML)}
+
+
+def _top_keys(text: str) -> set[str]:
+    return {line.split(":")[0] for line in text.splitlines() if not line.startswith(" ")}
+
+
+def _fsdp_keys(text: str) -> set[str]:
+    return {line.split(":")[0].strip() for line in text.splitlines() if line.startswith("  ")}
+
+
+def test_multi_machine_ddp_and_what_cannot_be_imported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _write(tmp_path, """\
+        distributed_type: MULTI_GPU
+        num_machines: 2
+        num_processes: 16
+        machine_rank: 1
+        main_process_ip: 10.0.0.1
+        main_process_port: 29501
+        mixed_precision: fp8
+        gpu_ids: 0,1,2,3,4,5,6,7
+        dynamo_config:
+          dynamo_backend: INDUCTOR
+        deepspeed_config: {}
+    """)
+    target = tmp_path / "accel.toml"
+    code, out, _ = _import(capsys, str(source), "--config-file", str(target))
+    assert code == 0
+    assert load_config(target) == {
+        "strategy": "ddp", "num_machines": 2, "num_processes": 16, "machine_rank": 1,
+        "main_process_ip": "10.0.0.1", "main_process_port": 29501, "mixed_precision": "fp8",
+    }
+    assert "mixed_precision: 'fp8' -> mixed_precision = \"fp8\" (fp8 runs as bf16 autocast)" \
+        in out
+    assert "gpu_ids: '0,1,2,3,4,5,6,7' not imported: no config key: launch with " \
+           "`CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7`" in out
+    assert "dynamo_config: {'dynamo_backend': 'INDUCTOR'} not imported: no config key: pass " \
+           "`accel.prepare_model(model, compile={...})`" in out
+    assert "deepspeed_config: {} not needed" in out
+
+
+def test_deepspeed_is_not_imported_and_the_rest_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _write(tmp_path, """\
+        distributed_type: DEEPSPEED
+        deepspeed_config:
+          zero_stage: 3
+        num_processes: 4
+    """)
+    target = tmp_path / "accel.toml"
+    code, out, _ = _import(capsys, str(source), "--config-file", str(target))
+    assert code == 0 and load_config(target) == {"num_processes": 4}
+    assert "distributed_type: 'DEEPSPEED' not imported: accel runs DDP or FSDP" in out
+    assert "deepspeed_config: {'zero_stage': 3} not imported: accel has no DeepSpeed" in out
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("distributed_type: NO\nnum_procesess: 2\n",
+     "keys Accelerate 1.15 does not know: 'num_procesess' (did you mean 'num_processes'?)"),
+    ("num_processes: eight\n", "num_processes='eight' is invalid"),
+    ("num_processes: 3\nnum_machines: 2\n", "is not a multiple of num_machines=2"),
+    ("mixed_precision: fp4\n", "mixed_precision='fp4' is invalid"),
+    ("- a\n- b\n", "holds a list, not a mapping"),
+    ("a: [unclosed\n", "is not valid YAML"),
+])
+def test_bad_files_write_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, words: str
+) -> None:
+    target = tmp_path / "cfg" / "accel.toml"
+    code, out, err = _import(capsys, str(_write(tmp_path, text)), "--config-file", str(target))
+    assert code == 2 and err.startswith("accel config: error: ") and words in err, err
+    assert not (tmp_path / "cfg").exists() and out == ""
+
+
+def test_default_locations_of_both_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("ACCEL_CONFIG_FILE", raising=False)
+    code, _, err = _import(capsys)
+    assert code == 2 and str(tmp_path / "hf" / "accelerate" / "default_config.yaml") in err
+    (tmp_path / "hf" / "accelerate").mkdir(parents=True)
+    _write(tmp_path / "hf" / "accelerate", "distributed_type: 'NO'\nuse_cpu: true\n",
+           "default_config.yaml")
+    code, _, _ = _import(capsys)
+    assert code == 0
+    written = tmp_path / "xdg" / "accel" / "config.toml"
+    assert load_config(written) == {"strategy": "none", "cpu": True}
+    # an existing file is kept unless --force (given before or after `import`)
+    code, _, err = _import(capsys)
+    assert code == 2 and "already exists; not overwritten" in err
+    assert main(["config", "--force", "import"]) == 0
+    monkeypatch.delenv("HF_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code, _, err = _import(capsys, "--force")
+    assert code == 2
+    assert str(tmp_path / "cache" / "huggingface" / "accelerate" / "default_config.yaml") in err
+
+
+def test_config_file_before_import_and_dry_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _write(tmp_path, "distributed_type: MULTI_CPU\nnum_processes: 4\n")
+    target = tmp_path / "a.toml"
+    assert main(["config", "--config-file", str(target), "import", str(source)]) == 0
+    assert load_config(target) == {"strategy": "ddp", "num_processes": 4}
+    capsys.readouterr()
+    code, out, _ = _import(capsys, str(source), "--dry-run", "--config-file",
+                           str(tmp_path / "b.toml"))
+    assert code == 0 and "dry run, nothing written" in out and 'strategy = "ddp"' in out
+    assert not (tmp_path / "b.toml").exists()
+
+
+def test_json_config_needs_no_yaml_and_yaml_without_pyyaml_names_the_extra(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` raises ImportError
+    source = tmp_path / "acc.json"
+    source.write_text(json.dumps({"distributed_type": "MULTI_GPU", "num_processes": 2}))
+    target = tmp_path / "accel.toml"
+    assert _import(capsys, str(source), "--config-file", str(target))[0] == 0
+    assert load_config(target) == {"strategy": "ddp", "num_processes": 2}
+    code, _, err = _import(capsys, str(_write(tmp_path, FSDP_YAML)), "--config-file",
+                           str(tmp_path / "other.toml"))
+    assert code == 2 and "pip install 'accel[yaml]'" in err, err
+    assert not (tmp_path / "other.toml").exists()
+
+
+@pytest.mark.slow  # runs Accelerate's own CLI
+def test_a_file_written_by_accelerate_config_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("accelerate")
+    source = tmp_path / "default_config.yaml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL", "HF_"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.accelerate_cli", "config", "default",
+         "--config_file", str(source), "--mixed_precision", "bf16"],
+        capture_output=True, text=True, timeout=240, env=env, check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    target = tmp_path / "accel.toml"
+    code, out, _ = _import(capsys, str(source), "--config-file", str(target))
+    assert code == 0, out
+    settings = load_config(target)
+    assert settings["mixed_precision"] == "bf16"
+    assert settings["strategy"] in ("none", "ddp")
+    assert "not imported" not in out  # a default config holds nothing accel lacks
