@@ -159,6 +159,9 @@ def _merge(ns: argparse.Namespace) -> int:
           f"({result.total_bytes:,} bytes of weights); {check}.")
     if result.skipped:
         print(f"accel merge-weights: not weights, left out: {list(result.skipped)}")
+    if "config.json" not in result.files:
+        print("accel merge-weights: no config.json was written; transformers' from_pretrained "
+              "needs one: pass --config path/to/config.json (or copy it into OUT).")
     return 0
 
 

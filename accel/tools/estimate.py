@@ -214,9 +214,10 @@ def estimate_memory(
         DeviceMapError: a bad ``max_memory``.
 
     Example:
-        >>> accel.estimate_memory("gpt2/config.json", dtypes=["bf16"], world_size=8,
-        ...                       strategy="fsdp")["estimates"][0]["training"]["total"]
-        270893568
+        >>> report = accel.estimate_memory("gpt2/config.json", dtypes=["bf16"], world_size=8,
+        ...                                strategy="fsdp")  # GPT-2 small's config
+        >>> report["parameters"], report["estimates"][0]["training"]["total"]
+        (124439808, 356013136)
     """
     world_size, strategy, optimizer = _check(world_size, strategy, optimizer)
     chosen = [d if isinstance(d, torch.dtype) else parse_dtype(d) for d in dtypes]
