@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, get_args
 
 import attrs
@@ -42,6 +42,7 @@ __all__ = [
     "allowed",
     "check_power_sgd_options",
     "cpu_count",
+    "did_you_mean",
     "env_variable",
     "parse_bool",
     "toml_value",
@@ -89,6 +90,17 @@ def parse_bool(text: str) -> bool | None:
     if word in FALSE_WORDS:
         return False
     return None
+
+
+def did_you_mean(key: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known name closest to ``key``, else ``""``.
+
+    Example:
+        >>> did_you_mean("mixed_precison", ["mixed_precision", "strategy"])
+        " (did you mean 'mixed_precision'?)"
+    """
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def cpu_count() -> int:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from accel._fsdp_params import mark_replaced
+from accel._settings import did_you_mean
 from accel._state import ProcessState, ScopeSlot, state
 from accel.errors import ConfigError
 from accel.model_blocks import declared_blocks
@@ -134,7 +135,8 @@ def fsdp_options(run_options: Mapping[str, Any], given: Mapping[str, Any]) -> FS
     for key in given:
         if key not in FSDP_OPTIONS:
             raise ConfigError(
-                f"accel.prepare_model: unknown FSDP option {key!r} (strategy='fsdp'); the "
+                f"accel.prepare_model: unknown FSDP option {key!r}"
+                f"{did_you_mean(key, FSDP_OPTIONS)} (strategy='fsdp'); the "
                 f"known ones are {list(FSDP_OPTIONS)}. Remove or rename it, e.g. "
                 "`accel.prepare_model(model, strategy='fsdp', reshard_after_forward=False)`."
             )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,7 +16,14 @@ import torch.distributed as dist
 from accel._config_file import load_config
 from accel._ddp_teardown import release_ddp_reducers
 from accel._env import LaunchEnv, read_launch_env
-from accel._settings import BACKENDS, DDP_CONFIG_KEYS, DEFAULT_PORT, FP8_NOTE, POLICY_KEYS
+from accel._settings import (
+    BACKENDS,
+    DDP_CONFIG_KEYS,
+    DEFAULT_PORT,
+    FP8_NOTE,
+    POLICY_KEYS,
+    did_you_mean,
+)
 from accel._state import (
     ProcessState,
     Scope,
@@ -172,6 +179,7 @@ def distributed(
         ...     print(st.rank, st.world_size, st.device)
         0 1 cpu
     """
+    _check_options(options)
     _check_backend_and_cpu(backend, cpu)
     timeout_s = _as_seconds(timeout)
     on_each_node = _check_on_each_node(on_each_node)
@@ -251,6 +259,34 @@ def distributed(
         raise
     if created and dist.is_initialized():
         _teardown()
+
+
+_NAMED = (
+    "backend", "mixed_precision", "gradient_accumulation_steps", "strategy", "cpu", "timeout",
+    "debug", "seed", "on_each_node",
+)
+
+
+def _check_options(options: Mapping[str, Any]) -> None:
+    """Refuse keywords that are neither DDP nor FSDP options (a typo never runs silently).
+
+    Raises:
+        ConfigError: naming the keyword, the closest known one and every known option.
+    """
+    if not options:
+        return
+    from accel._ddp import KNOWN_OPTIONS
+    from accel.fsdp import FSDP_OPTIONS
+
+    extra = (*KNOWN_OPTIONS, *FSDP_OPTIONS)
+    for key in options:
+        if key not in extra:
+            raise ConfigError(
+                f"accel.distributed() got an unknown option {key!r}"
+                f"{did_you_mean(key, (*_NAMED, *extra))}. It takes {list(_NAMED)} and the "
+                f"DDP/FSDP options {list(extra)}; rename or remove it, e.g. "
+                "`accel.distributed(mixed_precision='bf16', find_unused_parameters=True)`."
+            )
 
 
 def _note_fp8(mixed_precision: str) -> None:

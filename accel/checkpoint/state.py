@@ -34,7 +34,7 @@ import attrs
 import torch
 from torch import nn
 
-from accel._settings import cpu_count
+from accel._settings import cpu_count, did_you_mean
 from accel._state import has_active_state, scope, state
 from accel.accumulation import set_accumulation_step
 from accel.checkpoint import _nodes, _saving
@@ -81,6 +81,12 @@ def _unwrap(obj: Any) -> Any:
     return unwrap_model(obj) if isinstance(obj, nn.Module) else obj
 
 
+_OPTIONS = {
+    "save_state": ("step", "total_limit", "async_save", "on_each_node"),
+    "load_state": ("missing_ok", "on_each_node"),
+}
+
+
 def _check_objects(objects: dict[str, Any], op: str) -> None:
     for name, obj in objects.items():
         if not _NAME.match(name) or name in _RESERVED:
@@ -89,6 +95,14 @@ def _check_objects(objects: dict[str, Any], op: str) -> None:
                 f"identifiers other than {sorted(_RESERVED)}. Rename the keyword argument."
             )
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            options = _OPTIONS[op]
+            hint = did_you_mean(name, options)
+            if hint:  # a misspelt option, not an object
+                raise CheckpointArgumentError(
+                    f"accel.{op}() got an unknown option {name}={obj!r:.60}{hint}. Its options "
+                    f"are {list(options)}; every other keyword names an object to "
+                    f"{'save' if op == 'save_state' else 'restore'}."
+                )
             raise CheckpointError(
                 f"accel.{op}({name}=...) got {type(obj).__name__} {obj!r:.60}, which has no "
                 "`state_dict()` / `load_state_dict()`. Pass models, optimizers, schedulers, "

@@ -23,6 +23,7 @@ from accel._settings import (
     DEFAULT_PORT,
     MIXED_PRECISION_MODES,
     cpu_count,
+    did_you_mean,
     env_variable,
 )
 from accel.errors import ConfigError
@@ -227,6 +228,7 @@ def notebook_launcher(
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
     max_restarts: int = 0,
+    **unknown: Any,
 ) -> list[Any]:
     """Run ``function(*args)`` on ``num_processes`` processes per machine, from a notebook.
 
@@ -244,6 +246,7 @@ def notebook_launcher(
         master_addr: address of machine 0 (several machines).
         master_port: port on machine 0 (default: free port on one machine, else 29500).
         max_restarts: times the whole job restarts after a process fails.
+        **unknown: refused (a misspelt option is a ``ConfigError`` naming the closest one).
 
     Returns:
         The function's return value on each process of this machine, by local rank.
@@ -260,6 +263,14 @@ def notebook_launcher(
         >>> notebook_launcher(train, (0.1,), num_processes=2)
         [0, 1]
     """
+    for key in unknown:
+        known = ("args", "num_processes", "mixed_precision", "num_nodes", "node_rank",
+                 "master_addr", "master_port", "max_restarts")
+        raise ConfigError(
+            f"notebook_launcher() got an unknown option {key!r}{did_you_mean(key, known)}; "
+            f"it takes {list(known)}. Settings such as the strategy go to "
+            "`accel.distributed(...)` inside the function."
+        )
     _count("num_nodes", num_nodes, 1)
     _count("max_restarts", max_restarts, 0)
     if not isinstance(node_rank, int) or not 0 <= node_rank < num_nodes:

@@ -104,7 +104,7 @@ def test_nothing_said_without_ddp_options(
     caplog: pytest.LogCaptureFixture, no_config: Path
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="accel._ddp")
-    with accel.distributed(lr=0.1):  # other run-wide options are not DDP options
+    with accel.distributed(reshard_after_forward=False):  # FSDP options are not DDP options
         accel.prepare_model(nn.Linear(2, 2))
     assert _ignored_notes(caplog) == []
 
@@ -300,8 +300,8 @@ def test_config_file_options_reach_the_state_and_distributed_wins(
     no_config.write_text('comm_hook = "fp16"\nbucket_cap_mb = 10\nmixed_precision = "no"\n')
     monkeypatch.setenv("ACCEL_CONFIG_FILE", str(no_config))
     caplog.set_level(logging.DEBUG, logger="accel._ddp")
-    with accel.distributed(bucket_cap_mb=20, lr=0.1) as st:
-        assert dict(st.options) == {"comm_hook": "fp16", "bucket_cap_mb": 20, "lr": 0.1}
+    with accel.distributed(bucket_cap_mb=20, static_graph=True) as st:
+        assert dict(st.options) == {"comm_hook": "fp16", "bucket_cap_mb": 20, "static_graph": True}
         with accel.distributed(comm_hook="no") as inner:
             assert inner.options["comm_hook"] == "no"
             assert inner.options["bucket_cap_mb"] == 20

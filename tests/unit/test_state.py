@@ -52,11 +52,13 @@ def test_distributed_single_process_sets_and_restores_state() -> None:
 
 
 def test_nested_block_scopes_changed_options_only() -> None:
-    with accel.distributed(mixed_precision="bf16", gradient_accumulation_steps=2, lr=0.1) as outer:
-        with accel.distributed(mixed_precision="no", warmup=5) as inner:
+    with accel.distributed(
+        mixed_precision="bf16", gradient_accumulation_steps=2, bucket_cap_mb=5
+    ) as outer:
+        with accel.distributed(mixed_precision="no", static_graph=True) as inner:
             assert inner.mixed_precision == "no"
             assert inner.gradient_accumulation_steps == 2
-            assert dict(inner.options) == {"lr": 0.1, "warmup": 5}
+            assert dict(inner.options) == {"bucket_cap_mb": 5, "static_graph": True}
             assert accel.state() is inner
         assert accel.state() is outer and outer.mixed_precision == "bf16"
 
