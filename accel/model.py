@@ -172,6 +172,12 @@ def prepare_model(
             f"{model!r:.60}. "
             "Pass the model itself, e.g. `accel.prepare_model(model)`."
         )
+    if not isinstance(compile, bool | Mapping):
+        raise ConfigError(
+            f"prepare_model(compile={compile!r}) takes True, False or a dict of torch.compile "
+            "options; regional compilation (compile='regional') is not supported yet. Use "
+            "`compile=True` (the whole model) or compile the blocks yourself before preparing."
+        )
     existing = _prepared_result(model)
     if existing is not None:
         return existing

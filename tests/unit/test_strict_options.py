@@ -34,6 +34,11 @@ def test_prepare_model_names_the_closest_strategy_option() -> None:
         accel.prepare_model(torch.nn.Linear(2, 2), find_unused_parameter=True)
 
 
+def test_prepare_model_refuses_a_compile_mode_it_does_not_have() -> None:
+    with pytest.raises(ConfigError, match="regional compilation"):
+        accel.prepare_model(torch.nn.Linear(2, 2), compile="regional")  # type: ignore[arg-type]
+
+
 def test_save_and_load_state_name_a_misspelt_option(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 2)
     with pytest.raises(CheckpointArgumentError, match="did you mean 'total_limit'"):
