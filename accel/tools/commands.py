@@ -199,10 +199,10 @@ def _config_import(ns: argparse.Namespace) -> int:
     result = import_accelerate_config(ns.source, ns.config_file, force=ns.force,
                                       write=not ns.dry_run, report=show)
     if result.target is None:
-        from accel.launch._toml_writer import dump_config
+        from accel.tools.config_import import toml_text
 
         print(f"accel config import: {result.source} (dry run, nothing written):")
-        print(dump_config(result.settings), end="")
+        print(toml_text(result.settings, result.source), end="")
     else:
         print(f"accel config import: wrote {result.target} from {result.source}")
     return 0

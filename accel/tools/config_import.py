@@ -26,7 +26,10 @@ from accel._config_file import check_consistency, config_path
 from accel._settings import validate_setting
 from accel.errors import ConfigError
 
-__all__ = ["ImportResult", "Outcome", "accelerate_config_path", "import_accelerate_config"]
+__all__ = [
+    "ImportResult", "Outcome", "accelerate_config_path", "import_accelerate_config", "map_keys",
+    "toml_text",
+]
 
 _MAX_BYTES = 1 << 20
 
@@ -67,14 +70,20 @@ _FSDP_REASONS = {
     "reshard_after_forward=...)`",
     "fsdp_offload_params": "no config key: pass `accel.distributed(cpu_offload=True)` or "
     "`prepare_model(..., cpu_offload=True)`",
-    "fsdp_state_dict_type": "not needed: save_state writes each rank's shards and loads them "
-    "at any world size; save_model writes full weights",
+    "fsdp_state_dict_type": "save_state writes each rank's shards and loads them at any world "
+    "size; save_model writes full weights",
     "fsdp_cpu_ram_efficient_loading": "not supported as a setting: build the model under "
     "`accel.init_empty_weights()` and load weights with `accel.load_checkpoint_in_model`",
-    "fsdp_sync_module_states": "not needed: fully_shard shards each process's own copy; "
-    "seed the model the same on every process (`distributed(seed=...)`)",
+    "fsdp_sync_module_states": "accel does not broadcast rank 0's weights under FSDP: "
+    "fully_shard shards each process's own copy, so build the same model on every process "
+    "(`distributed(seed=...)`, or load the same weights)",
     "fsdp_activation_checkpointing": "not supported: enable it on the model "
     "(`model.gradient_checkpointing_enable()` for transformers)",
+    "fsdp_sharding_strategy": "SHARD_GRAD_OP is `reshard_after_forward=False` (pass it to "
+    "distributed() or prepare_model); NO_SHARD is `strategy = \"ddp\"`; HYBRID_SHARD is not "
+    "supported",
+    "fsdp_forward_prefetch": "FSDP2 prefetches the next block's all-gather itself",
+    "fsdp_use_orig_params": "FSDP2 always keeps the original parameters",
 }
 
 
@@ -90,6 +99,12 @@ _FSDP_SAME: dict[str, tuple[tuple[Any, ...], str]] = {
     "fsdp_cpu_ram_efficient_loading": ((False,), "off in accel too"),
     "fsdp_sync_module_states": ((False,), "off in accel too"),
     "fsdp_use_orig_params": ((True,), "FSDP2 always keeps the original parameters"),
+    "fsdp_sharding_strategy": (("FULL_SHARD", 1), "FSDP2 shards parameters, gradients and "
+                               "optimizer states (FULL_SHARD)"),
+    "fsdp_backward_prefetch": (("BACKWARD_PRE", "BACKWARD_POST"), "FSDP2 prefetches the next "
+                               "block's all-gather itself"),
+    "fsdp_forward_prefetch": ((False,), "off in accel too"),
+    "fsdp_min_num_params": ((0,), "no size-based wrapping"),
 }
 
 
@@ -307,6 +322,15 @@ def _write(target: Path, text: str) -> None:
         raise
 
 
+def toml_text(settings: Mapping[str, object], source: Path) -> str:
+    """The accel config file for ``settings``, saying which file it was imported from."""
+    from accel.launch._toml_writer import dump_config
+
+    shown = "".join(c if c.isprintable() else "?" for c in os.fspath(source))
+    return dump_config(settings).replace(
+        "(written by `accel config`)", f"(imported from {shown} by `accel config import`)", 1)
+
+
 def import_accelerate_config(
     source: str | os.PathLike[str] | None = None,
     target: str | os.PathLike[str] | None = None,
@@ -335,8 +359,6 @@ def import_accelerate_config(
         >>> import_accelerate_config("default_config.yaml", "accel.toml").settings
         {'strategy': 'fsdp', 'mixed_precision': 'bf16', 'num_processes': 8}
     """
-    from accel.launch._toml_writer import dump_config
-
     path = accelerate_config_path() if source is None else Path(source).expanduser()
     settings, outcomes = map_keys(_parse(path), os.fspath(path))
     for outcome in outcomes:
@@ -350,8 +372,5 @@ def import_accelerate_config(
                 f"{os.fspath(out)} already exists; not overwritten. Pass --force to replace it, "
                 "or --config-file to write elsewhere. Nothing was written."
             )
-        shown = "".join(c if c.isprintable() else "?" for c in os.fspath(path))
-        text = dump_config(settings).replace(
-            "(written by `accel config`)", f"(imported from {shown} by `accel config import`)", 1)
-        _write(out, text)
+        _write(out, toml_text(settings, path))
     return ImportResult(path, out, settings, tuple(outcomes))

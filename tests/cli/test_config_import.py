@@ -133,6 +133,33 @@ def test_multi_machine_ddp_and_what_cannot_be_imported(
     assert "deepspeed_config: {} not needed" in out
 
 
+def test_fsdp1_options_are_explained(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _write(tmp_path, """\
+        distributed_type: FSDP
+        fsdp_config:
+          fsdp_backward_prefetch: BACKWARD_PRE
+          fsdp_sharding_strategy: SHARD_GRAD_OP
+          fsdp_state_dict_type: FULL_STATE_DICT
+          fsdp_sync_module_states: true
+          fsdp_offload_params: true
+    """)
+    code, out, _ = _import(capsys, str(source), "--dry-run")
+    assert code == 0 and 'strategy = "fsdp"' in out
+    expected = [
+        "fsdp_backward_prefetch: 'BACKWARD_PRE' not needed: FSDP2 prefetches",
+        "fsdp_sharding_strategy: 'SHARD_GRAD_OP' not imported: SHARD_GRAD_OP is "
+        "`reshard_after_forward=False`",
+        "fsdp_state_dict_type: 'FULL_STATE_DICT' not needed: save_state writes each rank's",
+        "fsdp_sync_module_states: True not imported: accel does not broadcast rank 0's weights",
+        "fsdp_offload_params: True not imported: no config key: pass "
+        "`accel.distributed(cpu_offload=True)`",
+    ]
+    for words in expected:
+        assert f"  fsdp_config.{words}" in out, (words, out)
+
+
 def test_deepspeed_is_not_imported_and_the_rest_is(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
