@@ -107,8 +107,9 @@ def _from_config(config: Any, where: str) -> nn.Module:
                     model = builder.from_config(config)
                 else:
                     model = builder(config)
-        except (ValueError, TypeError, KeyError) as exc:  # not this auto class's kind
-            problems.append(f"{getattr(builder, '__name__', builder)}: {exc}")
+        except Exception as exc:  # not this auto class's kind, a missing optional package...
+            problems.append(f"{getattr(builder, '__name__', builder)}: {type(exc).__name__}: "
+                            f"{exc}")
             continue
         if isinstance(model, nn.Module):
             return model
@@ -126,10 +127,11 @@ def _from_callable(spec: str) -> tuple[nn.Module, str]:
         sys.path.insert(0, os.getcwd())  # as `python -m` finds modules of the current directory
     try:
         found: Any = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # not found, or the module itself fails
         raise ConfigError(
-            f"Cannot import {module_name!r} for the model {spec!r} ({exc}). Give "
-            "`package.module:function` importable from the current directory or sys.path."
+            f"Cannot import {module_name!r} for the model {spec!r} ({type(exc).__name__}: "
+            f"{exc}). Give `package.module:function` importable from the current directory or "
+            "sys.path."
         ) from None
     for part in attribute.split("."):
         if not hasattr(found, part):
@@ -143,8 +145,15 @@ def _from_callable(spec: str) -> tuple[nn.Module, str]:
             f"{spec!r} is a {type(found).__name__}, not a callable; give `module:callable` "
             "whose callable returns the model."
         )
-    with init_empty_weights():
-        model = found()
+    try:
+        with init_empty_weights():
+            model = found()
+    except Exception as exc:
+        raise ConfigError(
+            f"Calling {spec!r} to build the model raised {type(exc).__name__}: {exc}. It is "
+            "called with no arguments (under accel.init_empty_weights()); wrap it in a "
+            "function that takes none."
+        ) from exc
     if not isinstance(model, nn.Module):
         raise ArgumentTypeError(
             f"{spec!r} returned a {type(model).__name__}, not a torch.nn.Module; the callable "

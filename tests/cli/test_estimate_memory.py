@@ -226,7 +226,8 @@ def test_bad_models_are_clear_errors(
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad.json").write_text('{"model_type": "no-such-model"}')
     (tmp_path / "notjson.json").write_text("{oops")
-    (tmp_path / "weird_models.py").write_text("def build():\n    return 3\n")
+    (tmp_path / "weird_models.py").write_text(
+        "def build():\n    return 3\n\ndef needs(size):\n    return size\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "weird_models", raising=False)
     cases = {
@@ -235,6 +236,7 @@ def test_bad_models_are_clear_errors(
         str(tmp_path / "bad.json"): "model_type='no-such-model'",
         str(tmp_path / "notjson.json"): "cannot be read as JSON",
         "weird_models:build": "returned a int, not a torch.nn.Module",
+        "weird_models:needs": "Calling 'weird_models:needs' to build the model raised TypeError",
         "no_such_module_here:build": "Cannot import 'no_such_module_here'",
     }
     for source, words in cases.items():
