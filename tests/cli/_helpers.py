@@ -63,6 +63,13 @@ def clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def clean_env_changes(tmp_path: Path, **extra: str) -> dict[str, str | None]:
+    """`clean_env` as changes to this process's environment (``None``: removed), for the
+    ``env=`` of ``accel.testing.run_script``."""
+    removed: dict[str, str | None] = {k: None for k in os.environ if k.startswith(_DROP)}
+    return {**removed, **clean_env(tmp_path, **extra)}
+
+
 def accel_command(*args: str) -> list[str]:
     """`accel ARGS` as a command line (through `python -m accel.launch`)."""
     return [sys.executable, "-m", "accel.launch", *args]

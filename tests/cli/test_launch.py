@@ -19,6 +19,7 @@ from tests.cli._helpers import (
     accel_command,
     call_accel,
     clean_env,
+    clean_env_changes,
     results,
     run_accel,
     write_script,
@@ -60,7 +61,7 @@ def test_accelerate_flags_and_module_entry(
     plan = json.loads(planned.stdout)
     assert plan["nproc_per_node"] == 2
     done = run_script(tmp_path / "train.py", world_size=plan["nproc_per_node"], cwd=tmp_path,
-                      env={**clean_env(tmp_path), **plan["worker_env"]})
+                      env={**clean_env_changes(tmp_path), **plan["worker_env"]})
     ranks = results(done.output)
     assert [r["rank"] for r in ranks] == [0, 1]
     assert {(r["mixed_precision"], r["gradient_accumulation_steps"]) for r in ranks} == {

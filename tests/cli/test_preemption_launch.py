@@ -20,7 +20,14 @@ from accel.errors import ConfigError
 from accel.launch.cli import build_parser
 from accel.launch.graceful import stop_outcome, supported_stop_args
 from accel.launch.run import plan_launch
-from tests.cli._helpers import _descendants, accel_command, clean_env, results, write_script
+from tests.cli._helpers import (
+    _descendants,
+    accel_command,
+    call_accel,
+    clean_env,
+    results,
+    write_script,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "preemptible.py"
 
@@ -228,11 +235,10 @@ def test_plan_refuses_a_bad_grace_period(bad: str) -> None:
         _plan_args("--stop-grace-period", bad)
 
 
-def test_a_bad_grace_period_is_reported_by_the_command(tmp_path: Path) -> None:
-    done = subprocess.run(
-        accel_command("launch", "--stop-grace-period", "-5", "train.py"), cwd=tmp_path,
-        env=clean_env(tmp_path), text=True, capture_output=True, timeout=120, check=False,
-    )
+def test_a_bad_grace_period_is_reported_by_the_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    done = call_accel(tmp_path, monkeypatch, "launch", "--stop-grace-period", "-5", "train.py")
     assert done.returncode == 2
     assert "accel launch: error: --stop-grace-period=-5.0 must be" in done.stderr
 
