@@ -18,10 +18,12 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import runpy
 import signal
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
@@ -42,7 +44,7 @@ _HOST = "localhost"  # torch's agent gives its workers this MASTER_ADDR on one m
 
 
 def _script_worker(script: str, args: tuple[str, ...], cwd: str, environ: dict[str, str],
-                   out_path: str, err_path: str) -> None:
+                   out_path: str, err_path: str, launch: bool) -> None:
     """One rank: the launcher's environment and output files, then the script as ``__main__``.
 
     Runs in a process forked from the warm server; its exit status is the script's (the
@@ -68,17 +70,46 @@ def _script_worker(script: str, args: tuple[str, ...], cwd: str, environ: dict[s
     threads = environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # read at start-up by a fresh interpreter
         torch.set_num_threads(int(threads))
-    from accel.launch.worker import main
-
     # The finalizers of objects the server made while importing (torch's operator libraries:
     # ~0.2 s of deregistering in a process about to end) are left out of the exit; the
     # script's own exit functions and finalizers run as at any interpreter's exit.
     for finalizer in list(getattr(weakref.finalize, "_registry", {})):
         finalizer.atexit = False
     try:
-        main([script, *args])
+        if launch:
+            from accel.launch.worker import main
+
+            main([script, *args])
+        else:
+            _run_as_python(script, args)
     finally:
         atexit._run_exitfuncs()
+
+
+def _run_as_python(script: str, args: tuple[str, ...]) -> None:
+    """``python script.py args``: ``sys.argv`` as typed, its traceback, its exit status.
+
+    An uncaught exception prints its traceback and exits 1; an uncaught KeyboardInterrupt
+    ends the process by SIGINT, as CPython does.
+    """
+    from accel.launch.worker import _user_frames
+
+    filename = os.path.abspath(script)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(filename)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as error:
+        error.__traceback__ = _user_frames(error.__traceback__, filename)
+        traceback.print_exception(type(error), error, error.__traceback__)
+        sys.stderr.flush()
+        if isinstance(error, KeyboardInterrupt):
+            sys.stdout.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        sys.exit(1)
 
 
 def _launch_variables(script: str, args: Sequence[str], world_size: int,
@@ -175,7 +206,8 @@ class RunningScript:
         ctx = _context()
         self._procs = [
             ctx.Process(target=_script_worker,
-                        args=(script, args, cwd, environs[rank], *self._files[rank][:2]),
+                        args=(script, args, cwd, environs[rank], *self._files[rank][:2],
+                              launch),
                         name=f"accel-script-rank-{rank}")
             for rank in range(world_size)
         ]

@@ -262,6 +262,17 @@ def test_launch_false_runs_it_as_plain_python(tmp_path: Path) -> None:
         run_script(script, launch=False)  # world_size=2
 
 
+def test_an_uncaught_keyboard_interrupt_ends_as_python_or_the_launched_worker_does(
+    tmp_path: Path,
+) -> None:
+    script = _write(tmp_path, "raise KeyboardInterrupt\n")
+    plain = run_script(script, world_size=1, launch=False, check=False)
+    assert plain.exit_codes == (-signal.SIGINT,)  # CPython re-raises the signal
+    assert plain.stderr[0].rstrip().endswith("KeyboardInterrupt")
+    launched = run_script(script, world_size=1, check=False)
+    assert launched.exit_codes == (130,)  # accel.launch.worker's exit status
+
+
 def test_bad_arguments_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="world_size=0"):
         run_script(_write(tmp_path, "pass\n"), world_size=0)
