@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,6 +12,7 @@ import torch
 from torch import nn
 
 import accel
+from accel.testing import start_script
 
 SCRIPT = pathlib.Path(__file__).with_name("kill_save_script.py")
 
@@ -22,22 +20,16 @@ SCRIPT = pathlib.Path(__file__).with_name("kill_save_script.py")
 @pytest.mark.slow
 def test_sigkill_during_save_state_leaves_a_loadable_latest(tmp_path: pathlib.Path) -> None:
     rng = random.Random(1234)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     last_step = 0
     for _ in range(6):
-        proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(tmp_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        assert proc.stdout is not None
-        first = proc.stdout.readline()  # torch is imported and the run has resumed
-        assert first.startswith("START"), proc.stderr.read() if proc.stderr else first
-        time.sleep(rng.uniform(0.05, 0.6))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-        proc.stdout.close()
-        assert proc.stderr is not None
-        proc.stderr.close()
+        # `python kill_save_script.py ROOT`, forked from warm workers (the SIGKILL is what is
+        # tested, not the interpreter's start)
+        with start_script(SCRIPT, str(tmp_path), world_size=1, launch=False,
+                          env={"OMP_NUM_THREADS": "1"}, timeout=120) as run:
+            run.wait_for("START")  # the run has resumed
+            time.sleep(rng.uniform(0.05, 0.6))
+            run.send_signal(signal.SIGKILL)
+            assert run.wait(check=False).exit_codes == (-signal.SIGKILL,)
         latest = accel.latest_checkpoint(tmp_path)
         if latest is None:
             continue

@@ -5,12 +5,9 @@ loses the user's files."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,6 +15,7 @@ import torch
 from torch import nn
 
 import accel
+from accel.testing import run_script, start_script
 
 HERE = pathlib.Path(__file__).parent
 
@@ -27,13 +25,11 @@ HERE = pathlib.Path(__file__).parent
 def test_kill_before_every_file_operation_of_save_state(
     tmp_path: pathlib.Path, mode: str
 ) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, str(HERE / "kill_points_script.py"), str(tmp_path), mode],
-        capture_output=True, text=True, env=env, timeout=240, check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    # `python kill_points_script.py ROOT MODE`, forked from warm workers (it forks the
+    # children it kills itself); raises if it fails
+    done = run_script(HERE / "kill_points_script.py", str(tmp_path), mode, world_size=1,
+                      launch=False, env={"OMP_NUM_THREADS": "1"}, timeout=240)
+    report = json.loads(done.output.strip().splitlines()[-1])
     assert report["problems"] == []
     assert report["points"] >= 10, report  # every operation of a save was a kill point
     assert report["random_kills"] == 20, report
@@ -67,20 +63,15 @@ def test_sigkill_at_random_moments_while_replacing_a_fixed_checkpoint(
     script.write_text(FIXED_SCRIPT)
     root = tmp_path / "ckpt"
     rng = random.Random(4321)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     last = 0.0
     for attempt in range(8):
-        proc = subprocess.Popen([sys.executable, str(script), str(root)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env)
-        assert proc.stdout is not None and proc.stderr is not None
-        first = proc.stdout.readline()
-        assert first.startswith("START"), proc.stderr.read()
-        time.sleep(rng.uniform(0.05, 0.5))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-        proc.stdout.close()
-        proc.stderr.close()
+        # `python save_loop.py ROOT`, forked from warm workers (the SIGKILL is what is tested)
+        with start_script(script, str(root), world_size=1, launch=False,
+                          env={"OMP_NUM_THREADS": "1"}, timeout=120) as run:
+            run.wait_for("START")
+            time.sleep(rng.uniform(0.05, 0.5))
+            run.send_signal(signal.SIGKILL)
+            assert run.wait(check=False).exit_codes == (-signal.SIGKILL,)
         model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
         info = accel.load_state(root, missing_ok=attempt == 0, model=model)
         if info is None:
