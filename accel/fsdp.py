@@ -400,5 +400,11 @@ def shard_model(
         if not is_fsdp_module(module):
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+    if callable(getattr(model, "generate", None)):
+        # transformers' generate() may call submodules (T5's encoder, peft's base model)
+        # without the root's forward: the root's own shards are gathered around it too.
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "generate")
     mark_replaced(model, before)
     return model
