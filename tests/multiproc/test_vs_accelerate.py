@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from accel.testing import run_script
 
 accelerate = pytest.importorskip("accelerate")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -27,31 +27,21 @@ EPOCHS = 2
 
 
 def _launch(mode: str, out: pathlib.Path, mixed_precision: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
+    """The script on 2 launched processes (torchrun's variables), forked from warm workers."""
+    env: dict[str, str | None] = {k: None for k in os.environ
+                                  if k.startswith(("RANK", "WORLD_SIZE"))}
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(SCRIPT),
-        mode,
-        str(out),
-        mixed_precision,
-    ]
     # One retry: a rank has been seen (1 run in ~10, Accelerate mode) to abort at interpreter
     # exit with "terminate called without an active exception" after all its work was done.
     for attempt in range(2):
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=180, env=env, check=False
-        )
-        if proc.returncode == 0:
+        done = run_script(SCRIPT, mode, str(out), mixed_precision, world_size=2, env=env,
+                          timeout=180, check=False)
+        if done.ok:
             return
-        if attempt == 0 and "terminate called without an active exception" not in proc.stderr:
+        if attempt == 0 and not any("terminate called without an active exception" in err
+                                    for err in done.stderr):
             break
-    pytest.fail(f"{mode} run failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    done.check()  # raises: the failing rank and its traceback
 
 
 def _first_difference(ref: pathlib.Path, got: pathlib.Path) -> str:
