@@ -1,13 +1,11 @@
 """``accel.stop_requested()``: every rank stops at the same call after a signal to one rank or
 to all of them; no signal -> always False; handlers restored after the block; a second signal
-ends the process (real processes over gloo, and one-process subprocesses)."""
+ends the process (real processes over gloo, and one-process scripts forked from warm workers)."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -17,7 +15,7 @@ import torch
 
 import accel
 from accel.errors import GatedCollectiveError, NotDistributedError
-from accel.testing import run_distributed
+from accel.testing import run_distributed, run_script
 
 STEPS = 400
 
@@ -217,33 +215,37 @@ with accel.distributed(cpu=True):
 """
 
 
-def _second_signal(tmp_path: Path, name: str, gap: float) -> subprocess.CompletedProcess[str]:
+def _second_signal(tmp_path: Path, name: str, gap: float) -> tuple[int, str]:
+    """`python second.py NAME GAP` without launcher variables, forked from warm workers: its
+    exit code, and its stdout then stderr."""
     script = tmp_path / "second.py"
     script.write_text(textwrap.dedent(_SECOND_SIGNAL))
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "ACCEL_"))}
-    return subprocess.run([sys.executable, str(script), name, str(gap)], env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120,
-                          check=False)
+    env: dict[str, str | None] = {
+        k: None for k in os.environ
+        if k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "ACCEL_"))}
+    done = run_script(script, name, str(gap), world_size=1, launch=False, env=env,
+                      timeout=120, check=False)
+    assert not done.timed_out, done.output
+    return done.exit_codes[0], done.stdout[0] + done.stderr[0]
 
 
 def test_second_sigterm_ends_the_process(tmp_path: Path) -> None:
-    done = _second_signal(tmp_path, "SIGTERM", 2.3)
-    assert done.returncode == -signal.SIGTERM, done.stdout
-    assert "first True" in done.stdout
-    assert "survived" not in done.stdout
+    code, output = _second_signal(tmp_path, "SIGTERM", 2.3)
+    assert code == -signal.SIGTERM, output
+    assert "first True" in output
+    assert "survived" not in output
 
 
 def test_second_sigint_raises_keyboard_interrupt(tmp_path: Path) -> None:
-    done = _second_signal(tmp_path, "SIGINT", 2.3)
-    assert done.returncode == -signal.SIGINT, done.stdout  # Python's exit for an uncaught one
-    assert "first True" in done.stdout
-    assert "KeyboardInterrupt" in done.stdout
-    assert "survived" not in done.stdout
+    code, output = _second_signal(tmp_path, "SIGINT", 2.3)
+    assert code == -signal.SIGINT, output  # Python's exit for an uncaught one
+    assert "first True" in output
+    assert "KeyboardInterrupt" in output
+    assert "survived" not in output
 
 
 def test_a_repeat_within_two_seconds_is_the_same_request(tmp_path: Path) -> None:
-    done = _second_signal(tmp_path, "SIGUSR1", 0.1)
-    assert done.returncode == 0, done.stdout
-    assert "first True" in done.stdout
-    assert "survived True" in done.stdout
+    code, output = _second_signal(tmp_path, "SIGUSR1", 0.1)
+    assert code == 0, output
+    assert "first True" in output
+    assert "survived True" in output
