@@ -8,6 +8,8 @@
 * :mod:`accel.tools.merge` — ``accel merge-weights``: a ``save_state`` checkpoint (FSDP-sharded
   at any world size, DDP, one process) or an Accelerate ``save_state`` directory to the
   weights layout ``save_model`` writes, one tensor at a time.
+* :mod:`accel.tools.checkpoint_source` — one model's tensors in a checkpoint, read one at a
+  time (FSDP pieces assembled), for ``merge-weights``.
 * :mod:`accel.tools.checkpoint_report` — ``accel checkpoint inspect`` / ``verify``.
 * :mod:`accel.tools.config_import` — ``accel config import``: an Accelerate YAML config to
   accel's TOML config file.

@@ -27,7 +27,7 @@ from accel.checkpoint._format import _NAMES, map_safetensors
 from accel.checkpoint._layout import MANIFEST, candidates, read_manifest
 from accel.checkpoint._safe_io import MAX_JSON_BYTES, load_json, open_regular
 from accel.errors import CheckpointError
-from accel.tools.merge import resolve_checkpoint
+from accel.tools.checkpoint_source import resolve_checkpoint
 
 __all__ = ["format_report", "inspect_checkpoint", "verify_checkpoint"]
 

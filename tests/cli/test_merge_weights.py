@@ -161,12 +161,12 @@ def test_peak_memory_is_one_tensor_not_the_model(fsdp: dict[str, Any], tmp_path:
     # each tensor is assembled from both ranks' pieces into one new tensor, written, freed
     assert _peak_torch_bytes(lambda: _merge(source, str(out), "--max-shard-size", "1MiB")) \
         == tensor_bytes
-    # the process as a whole (sampled): the allocator keeps a few freed blocks for reuse,
-    # far below the 16 MiB model
+    # the process as a whole (sampled): malloc keeps freed blocks for reuse (4 to 6 MiB
+    # measured here, depending on the heap earlier tests left), below the 16 MiB model
     with _PeakAnon() as memory:
         assert _merge(source, str(again), "--max-shard-size", "1MiB") == 0
     grown = memory.peak - memory.base
-    assert grown < model_bytes / 3, f"merge grew anonymous memory by {grown} bytes"
+    assert grown < model_bytes / 2, f"merge grew anonymous memory by {grown} bytes"
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == BIG_LAYERS // 2  # 2 tensors per 1 MiB
     merged = {k: v for f in set(index["weight_map"].values()) for k, v in
