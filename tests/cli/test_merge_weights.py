@@ -159,8 +159,8 @@ def test_peak_memory_is_one_tensor_not_the_model(fsdp: dict[str, Any], tmp_path:
     out, again = tmp_path / "big", tmp_path / "again"
     source = str(fsdp["root"] / "big")
     # each tensor is assembled from both ranks' pieces into one new tensor, written, freed
-    assert _peak_torch_bytes(lambda: _merge(source, str(out), "--max-shard-size", "1MiB")) \
-        == tensor_bytes
+    peak = _peak_torch_bytes(lambda: _merge(source, str(out), "--max-shard-size", "1MiB"))
+    assert tensor_bytes <= peak < 2 * tensor_bytes, peak  # measured: exactly one tensor
     # the process as a whole (sampled): malloc keeps freed blocks for reuse (4 to 6 MiB
     # measured here, depending on the heap earlier tests left), below the 16 MiB model
     with _PeakAnon() as memory:
