@@ -39,7 +39,7 @@ from accel.launch._script_result import ScriptResult, exit_text, tail
 __all__ = ["RunningScript", "run_script", "start_script"]
 
 _GRACE_S = 3.0  # after one rank fails, how long the others get to end (as run_distributed)
-_POLL_S = 0.02  # wait_for's polling interval
+_POLL_S = 0.005  # wait_for's polling interval
 _HOST = "localhost"  # torch's agent gives its workers this MASTER_ADDR on one machine
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +14,7 @@ from torch import nn
 
 import accel
 from accel.errors import CheckpointError
-from accel.testing import run_distributed
+from accel.testing import run_distributed, start_script
 
 
 def _setup() -> tuple[nn.Module, Any]:
@@ -143,27 +141,15 @@ def test_sigkill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path: P
     script = tmp_path / "train.py"
     script.write_text(KILLED_SCRIPT)
     root = tmp_path / "ckpt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "accel.launch", "launch", "--nproc-per-node", "2", str(script),
-         str(root)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True,
-    )
-    workers: list[int] = []
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("ASYNC 2"), proc.stderr.read() if proc.stderr else line
-        workers = [int(pid) for pid in line.split()[2:]]
-    finally:
-        for pid in workers:  # the ranks, in the middle of their background writes
+    # on 2 launched processes forked from warm workers; the ranks are SIGKILLed in the middle
+    # of their background writes
+    with start_script(script, str(root), world_size=2, env={"OMP_NUM_THREADS": "1"},
+                      timeout=120) as run:
+        run.wait_for("ASYNC 2")
+        workers = [int(pid) for pid in run.stdout(0).split("ASYNC 2", 1)[1].split()[:2]]
+        for pid in workers:
             os.kill(pid, signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+        assert run.wait(check=False).exit_codes == (-signal.SIGKILL, -signal.SIGKILL)
     assert accel.latest_checkpoint(root) == root / "checkpoint_1"
     assert not (root / "checkpoint_2").exists()
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
