@@ -134,9 +134,18 @@ def _structure(path: Path, name: str, files: Mapping[str, Any]) -> dict[str, Any
 
 
 def _is_model(body: Mapping[str, Any]) -> bool:
-    extra = body.get("extra")
-    return isinstance(extra, Mapping) and "accumulation_step" in extra and isinstance(
-        body.get("state"), Mapping)
+    """A module's state: accel records its accumulation counter with it; else (an older
+    checkpoint) a flat dict of tensors, as encoded: ``{"__tensor__": key}`` or a piece
+    reference ``{"__dict__": [["__accel_shard__", key]]}``."""
+    state, extra = body.get("state"), body.get("extra")
+    if not isinstance(state, Mapping):
+        return False
+    if isinstance(extra, Mapping) and "accumulation_step" in extra:
+        return True
+    return bool(state) and all(
+        isinstance(v, Mapping) and len(v) == 1 and ("__tensor__" in v or "__dict__" in v)
+        for v in state.values()
+    )
 
 
 def _pick(path: Path, objects: list[str], bodies: Mapping[str, Mapping[str, Any]],

@@ -323,3 +323,16 @@ def test_a_real_accelerate_save_state(
     assert stored.keys() == weights.keys()
     for key, value in weights.items():
         assert torch.equal(stored[key], value.half()), key
+
+
+def test_choosing_among_several_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    net, ema = toy(seed=1), toy(seed=2)
+    path = accel.save_state(tmp_path / "two", net=net, ema=ema)
+    assert _merge(str(path), str(tmp_path / "o1")) == 2
+    err = capsys.readouterr().err
+    assert "holds several models ['ema', 'net']; choose one with --object" in err, err
+    assert _merge(str(path), str(tmp_path / "o2"), "--object", "ema") == 0
+    stored = load_file(tmp_path / "o2" / "model.safetensors")
+    assert torch.equal(stored["embed.weight"], ema.embed.weight)
