@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-import warnings
 import json
+import warnings
 from pathlib import Path
 
 import pytest
