@@ -19,7 +19,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "accel"
 # name, or ``prefix.*`` for a package's modules. Unlisted modules are in "features".
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("package", ("accel", "accel.launch.selftest", "accel._warm_server")),
-    ("tools", ("accel.launch", "accel.launch.*", "accel.testing")),
+    ("tools", (
+        "accel.launch", "accel.launch.*", "accel.tools", "accel.tools.*", "accel.testing",
+    )),
     ("distributed", ("accel.process_group",)),
     ("features", ()),
     ("state", ("accel._state",)),
