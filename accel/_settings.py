@@ -31,6 +31,7 @@ __all__ = [
     "FALSE_WORDS",
     "FP8_NOTE",
     "MIXED_PRECISION_MODES",
+    "MODEL_KEYS",
     "POLICY_KEYS",
     "POWER_SGD_OPTIONS",
     "SETTINGS",
@@ -194,8 +195,8 @@ def check_power_sgd_options(value: object, origin: str) -> dict[str, Any]:
     return out
 
 
-Kind = Literal["int", "float", "bool", "str", "choice", "table"]
-Layer = Literal["launch", "policy", "ddp"]
+Kind = Literal["int", "float", "bool", "str", "choice", "table", "blocks"]
+Layer = Literal["launch", "policy", "ddp", "model"]
 
 
 @attrs.frozen
@@ -203,7 +204,9 @@ class Spec:
     """One setting: its kind, meaning, default (``None``: decided at run time) and limits.
 
     ``layer`` says who reads it: ``"launch"`` (``accel launch`` only), ``"policy"``
-    (``accel.distributed()``, also as an ``ACCEL_*`` variable) or ``"ddp"`` (a DDP option).
+    (``accel.distributed()``, also as an ``ACCEL_*`` variable), ``"ddp"`` (a DDP option) or
+    ``"model"`` (a ``prepare_model`` option run-wide: ``accel.state().options``, also as an
+    ``ACCEL_*`` variable). Kind ``"blocks"`` is true/false or module class names.
     """
 
     kind: Kind
@@ -280,6 +283,11 @@ SETTINGS: Mapping[str, Spec] = {
     "comm_state_option": Spec(
         "table", "DDP: PowerSGD options (an inline table)", {}, layer="ddp"
     ),
+    # model options (read by accel.prepare_model, also as ACCEL_<KEY>)
+    "activation_checkpointing": Spec(
+        "blocks", "recompute each block's activations in the backward (true, or block class "
+        "names)", False, layer="model",
+    ),
 }
 """Every config key, its kind, meaning, default (``None``: decided at run time) and limits."""
 
@@ -287,6 +295,8 @@ POLICY_KEYS = tuple(key for key, spec in SETTINGS.items() if spec.layer == "poli
 """The settings ``accel.distributed()`` reads: argument > ``ACCEL_<KEY>`` > config file."""
 DDP_CONFIG_KEYS = tuple(key for key, spec in SETTINGS.items() if spec.layer == "ddp")
 """The DDP options a config file can hold (a callable hook or a state object cannot)."""
+MODEL_KEYS = tuple(key for key, spec in SETTINGS.items() if spec.layer == "model")
+"""The ``prepare_model`` options set run-wide: argument > ``ACCEL_<KEY>`` > config file."""
 
 
 def env_variable(key: str) -> str:
@@ -316,6 +326,8 @@ def allowed(spec: Spec) -> str:
         return "a non-empty string"
     if spec.kind == "table":
         return "an inline table"
+    if spec.kind == "blocks":
+        return "true or false, or module class names separated by commas"
     low = "" if spec.minimum is None else f" >= {spec.minimum:g}"
     high = "" if spec.maximum is None else f" and <= {spec.maximum:g}"
     noun = "a whole number" if spec.kind == "int" else "a number"
@@ -356,6 +368,8 @@ def toml_value(value: object) -> str:
 def _example(spec: Spec) -> object:
     if spec.kind == "table":
         return {"matrix_approximation_rank": 2}
+    if spec.kind == "blocks":
+        return True
     if spec.default is not None:
         return spec.default
     if spec.kind == "choice":
@@ -393,7 +407,8 @@ def validate_setting(
         variable: the environment variable it came from; phrases the error for it.
 
     Returns:
-        The value as int, float, bool, str or (``comm_state_option``) dict.
+        The value as int, float, bool, str or (``comm_state_option``) dict; a ``"blocks"``
+        setting gives a bool or its class names as one comma-separated string.
 
     Raises:
         ConfigError: unknown key, or a value of the wrong kind or out of range; the message
@@ -413,6 +428,8 @@ def validate_setting(
         )
     if spec.kind == "table":
         return check_power_sgd_options(value, origin)
+    if spec.kind == "blocks":
+        return _blocks(key, value, spec, origin, variable)
     if spec.kind == "bool":
         if isinstance(value, bool):
             return value
@@ -430,6 +447,20 @@ def validate_setting(
                 raise _invalid(key, value, spec, origin, variable)
         return text
     return _number(key, value, spec, origin, variable)
+
+
+def _blocks(key: str, value: object, spec: Spec, origin: str, variable: str | None) -> object:
+    """A boolean spelling, or class names separated by commas (``"GPT2Block, MLP"``)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        parsed = parse_bool(value)
+        if parsed is not None:
+            return parsed
+        names = [name.strip() for name in value.split(",")]
+        if all(name.isidentifier() for name in names):
+            return ", ".join(names)
+    raise _invalid(key, value, spec, origin, variable)
 
 
 def _number(key: str, value: object, spec: Spec, origin: str, variable: str | None) -> float:

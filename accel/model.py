@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -21,6 +21,14 @@ from accel._ddp import DDPOptions, ddp_options, make_ddp, note_ignored
 from accel._ddp_teardown import collect_garbage_at_exit
 from accel._settings import STRATEGIES
 from accel._state import state
+from accel.blockwise import (
+    BlockChoice,
+    BlockSpec,
+    blocks_option,
+    checkpoint_blocks,
+    compile_blocks,
+    compile_plan,
+)
 from accel.errors import ArgumentTypeError, ConfigError
 from accel.precision import AutocastForward, autocast_dtype
 
@@ -91,6 +99,16 @@ def _wrap_ddp(module: nn.Module, device: torch.device, options: DDPOptions) -> n
     return make_ddp(module, options, placement)
 
 
+def _checkpointing_choice(given: object, run_options: Mapping[str, Any]) -> BlockChoice:
+    """``prepare_model``'s ``activation_checkpointing``, else the run's, checked."""
+    if given is not None:
+        return blocks_option(given, "activation_checkpointing", "accel.prepare_model")
+    return blocks_option(
+        run_options.get("activation_checkpointing"), "activation_checkpointing",
+        "accel.distributed(), ACCEL_ACTIVATION_CHECKPOINTING or the config file",
+    )
+
+
 def _no_ddp_reason(chosen: str, world_size: int, evaluation_mode: bool, model: nn.Module) -> str:
     """Why no DDP wrapper applies, or ``""`` when one does."""
     if world_size == 1:
@@ -109,8 +127,9 @@ def prepare_model(
     *,
     device_placement: bool = True,
     strategy: Literal["none", "ddp", "fsdp"] | None = None,
-    compile: bool | Mapping[str, Any] = False,
+    compile: bool | Literal["regional"] | Mapping[str, Any] = False,
     evaluation_mode: bool = False,
+    activation_checkpointing: bool | BlockSpec | Iterable[BlockSpec] | None = None,
     **strategy_options: Any,
 ) -> nn.Module:
     """Make ``model`` ready for the run: device, mixed precision forward, DDP or FSDP2, compile.
@@ -132,13 +151,26 @@ def prepare_model(
     model before creating its optimizer (or pass both to :func:`accel.prepare`): sharding
     replaces the parameters. On one process the model is not sharded (an info note says so).
 
+    ``activation_checkpointing`` and ``compile="regional"`` act on the model's blocks (see
+    ``docs/activation_checkpointing.md``): the ones FSDP shards one by one (the model's
+    ``_no_split_modules``, else the children of its largest ``nn.ModuleList``/
+    ``nn.Sequential``; FSDP's ``shard_modules`` when given), or the classes named. Their
+    activations are recomputed in the backward with torch's non-reentrant
+    ``torch.utils.checkpoint`` (before any sharding or DDP wrapper), and each is compiled in
+    place with ``torch.compile`` (after FSDP sharding). Names and state dict keys do not change.
+
     Args:
         model: the user's module.
         device_placement: move the model to the state's device.
         strategy: ``"none"``, ``"ddp"`` or ``"fsdp"``; default ``accel.state().strategy``.
-        compile: wrap the result with :func:`torch.compile`; a mapping is passed to it as
-            options, e.g. ``{"mode": "max-autotune"}`` or ``{"backend": "eager"}``.
+        compile: wrap the result with :func:`torch.compile`; ``"regional"`` compiles each
+            block instead; a mapping is passed to it as options, e.g.
+            ``{"mode": "max-autotune"}`` or ``{"backend": "eager"}``, and may hold
+            ``"regional"`` (``True`` or block classes, as for ``activation_checkpointing``).
         evaluation_mode: prepare for inference only (no DDP wrapper, no FSDP sharding).
+        activation_checkpointing: ``True`` (the blocks), a block class, a class name, or an
+            iterable of them; default ``accel.distributed(activation_checkpointing=...)``,
+            ``ACCEL_ACTIVATION_CHECKPOINTING`` or the config file, else off.
         **strategy_options: with ``strategy="fsdp"``: ``shard_modules`` (a module class, a
             class name, or an iterable of them), ``reshard_after_forward`` (default ``True``)
             and ``cpu_offload`` (default ``False``), overriding those of
@@ -157,8 +189,9 @@ def prepare_model(
         wrapper, or a compiled module).
 
     Raises:
-        ConfigError: unknown strategy, unknown DDP/FSDP option, invalid option value, or a
-            ``shard_modules`` class that occurs nowhere in the model.
+        ConfigError: unknown strategy, unknown DDP/FSDP option, invalid option value, a
+            ``shard_modules`` or ``activation_checkpointing`` class that occurs nowhere in the
+            model, or no blocks found for ``True``/``"regional"``.
 
     Example:
         >>> with accel.distributed(mixed_precision="bf16"):
@@ -172,28 +205,32 @@ def prepare_model(
             f"{model!r:.60}. "
             "Pass the model itself, e.g. `accel.prepare_model(model)`."
         )
-    if not isinstance(compile, bool | Mapping):
-        raise ConfigError(
-            f"prepare_model(compile={compile!r}) takes True, False or a dict of torch.compile "
-            "options; regional compilation (compile='regional') is not supported yet. Use "
-            "`compile=True` (the whole model) or compile the blocks yourself before preparing."
-        )
+    plan = compile_plan(compile)
     existing = _prepared_result(model)
     if existing is not None:
         return existing
     chosen = _resolve_strategy(strategy)
     st = state()
+    checkpointing = _checkpointing_choice(activation_checkpointing, st.options)
+    shard_modules = None
     if chosen == "fsdp":
         from accel import fsdp  # torch.distributed.fsdp loads only for this strategy
 
         sharding = fsdp.fsdp_options(st.options, strategy_options)
+        shard_modules = sharding.shard_modules
+        if checkpointing is not False:  # before sharding: FSDP's hooks stay outside
+            checkpoint_blocks(model, checkpointing, shard_modules=shard_modules)
         model = fsdp.shard_model(
             model, sharding, evaluation_mode=evaluation_mode, device_placement=device_placement
         )
     else:
         ddp = ddp_options(st.options, strategy_options)
+        if checkpointing is not False:
+            checkpoint_blocks(model, checkpointing)
         if device_placement:
             model = model.to(st.device)
+    if plan is not None and plan.regional is not False:  # in place, after sharding
+        compile_blocks(model, plan.regional, plan.options, shard_modules=shard_modules)
     if st.mixed_precision != "no":
         _install_autocast_forward(model)
     result: nn.Module = model
@@ -203,9 +240,8 @@ def prepare_model(
             note_ignored(ddp, no_ddp)
         else:
             result = _wrap_ddp(model, st.device, ddp)
-    if compile:
-        options = dict(compile) if isinstance(compile, Mapping) else {}
-        result = torch.compile(result, **options)  # type: ignore[assignment]
+    if plan is not None and plan.regional is False:
+        result = torch.compile(result, **plan.options)  # type: ignore[assignment]
     _mark(model, result)
     if result is not model:
         _mark(result, result)

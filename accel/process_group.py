@@ -15,14 +15,17 @@ import torch.distributed as dist
 
 from accel._config_file import load_config
 from accel._ddp_teardown import release_ddp_reducers
-from accel._env import LaunchEnv, read_launch_env
+from accel._env import LaunchEnv, read_launch_env, read_variable
 from accel._settings import (
     BACKENDS,
     DDP_CONFIG_KEYS,
     DEFAULT_PORT,
     FP8_NOTE,
+    MODEL_KEYS,
     POLICY_KEYS,
     did_you_mean,
+    env_variable,
+    validate_setting,
 )
 from accel._state import (
     ProcessState,
@@ -169,7 +172,9 @@ def distributed(
             ``load_state``: each machine's local main process writes (and reads) its own copy,
             for machines without a shared filesystem (also the config key ``on_each_node``
             and ``ACCEL_ON_EACH_NODE=1``); default False (one copy, written by rank 0).
-        **options: extra run-wide options, readable as ``accel.state().options``.
+        **options: DDP and FSDP options, and ``activation_checkpointing`` (also
+            ``ACCEL_ACTIVATION_CHECKPOINTING`` and the config key), the default of every
+            ``prepare_model`` in the block; readable as ``accel.state().options``.
 
     Raises:
         ConfigError: an option or launch variable is invalid.
@@ -268,7 +273,7 @@ _NAMED = (
 
 
 def _check_options(options: Mapping[str, Any]) -> None:
-    """Refuse keywords that are neither DDP nor FSDP options (a typo never runs silently).
+    """Refuse keywords that are neither DDP, FSDP nor model options (a typo never runs silently).
 
     Raises:
         ConfigError: naming the keyword, the closest known one and every known option.
@@ -278,15 +283,20 @@ def _check_options(options: Mapping[str, Any]) -> None:
     from accel._ddp import KNOWN_OPTIONS
     from accel.fsdp import FSDP_OPTIONS
 
-    extra = (*KNOWN_OPTIONS, *FSDP_OPTIONS)
+    extra = (*KNOWN_OPTIONS, *FSDP_OPTIONS, *MODEL_KEYS)
     for key in options:
         if key not in extra:
             raise ConfigError(
                 f"accel.distributed() got an unknown option {key!r}"
                 f"{did_you_mean(key, (*_NAMED, *extra))}. It takes {list(_NAMED)} and the "
-                f"DDP/FSDP options {list(extra)}; rename or remove it, e.g. "
+                f"DDP/FSDP/model options {list(extra)}; rename or remove it, e.g. "
                 "`accel.distributed(mixed_precision='bf16', find_unused_parameters=True)`."
             )
+    if "activation_checkpointing" in options:  # a bad value fails here, not at prepare time
+        from accel.blockwise import blocks_option
+
+        value = options["activation_checkpointing"]
+        blocks_option(value, "activation_checkpointing", "accel.distributed()")
 
 
 def _note_fp8(mixed_precision: str) -> None:
@@ -300,8 +310,9 @@ def _note_fp8(mixed_precision: str) -> None:
 def _with_config_file(env: LaunchEnv) -> tuple[LaunchEnv, dict[str, Any]]:
     """Fill the options the environment leaves unset from the config file (env wins).
 
-    Also returns the file's DDP options (``find_unused_parameters``, ``comm_hook``...), which
-    join ``accel.state().options`` under those passed to ``distributed()``.
+    Also returns the file's DDP options (``find_unused_parameters``, ``comm_hook``...) and
+    model options (``activation_checkpointing``, where ``ACCEL_<KEY>`` wins over the file),
+    which join ``accel.state().options`` under those passed to ``distributed()``.
     """
     config = load_config(env.config_file)
     missing: dict[str, Any] = {
@@ -309,7 +320,12 @@ def _with_config_file(env: LaunchEnv) -> tuple[LaunchEnv, dict[str, Any]]:
         for key in POLICY_KEYS
         if key in config and getattr(env, key) is None
     }
-    file_options = {key: config[key] for key in DDP_CONFIG_KEYS if key in config}
+    file_options = {key: config[key] for key in (*DDP_CONFIG_KEYS, *MODEL_KEYS) if key in config}
+    for key in MODEL_KEYS:
+        variable = env_variable(key)
+        raw = read_variable(variable)
+        if raw is not None:
+            file_options[key] = validate_setting(key, raw, variable, variable=variable)
     return (attrs.evolve(env, **missing) if missing else env), file_options
 
 

@@ -35,8 +35,8 @@ def test_prepare_model_names_the_closest_strategy_option() -> None:
 
 
 def test_prepare_model_refuses_a_compile_mode_it_does_not_have() -> None:
-    with pytest.raises(ConfigError, match="regional compilation"):
-        accel.prepare_model(torch.nn.Linear(2, 2), compile="regional")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="did you mean 'regional'"):
+        accel.prepare_model(torch.nn.Linear(2, 2), compile="regionl")  # type: ignore[arg-type]
 
 
 def test_save_and_load_state_name_a_misspelt_option(tmp_path: Path) -> None:
