@@ -79,9 +79,13 @@ def test_checkpointing_gives_equal_gradients_and_recomputes_each_block() -> None
         model = accel.prepare_model(net, activation_checkpointing=True)
         assert accel.unwrap_model(model) is net and model is net
         assert _checkpointed(net) == ["blocks.0", "blocks.1", "blocks.2"]
+        hooked: list[str] = []  # hooks on a block (FSDP2's all-gather) run once, not again
+        for block in net.blocks:  # in the recompute
+            block.register_forward_pre_hook(lambda module, args: hooked.append("pre"))
         Block.calls = 0
         out, grads = _step(model, net)
         assert Block.calls == 6  # 3 forwards, then 3 recomputes in the backward
+        assert hooked == ["pre"] * 3
         assert torch.equal(out, want_out)  # dropout included: the RNG state is replayed
         assert grads.keys() == want.keys()
         for name in want:
