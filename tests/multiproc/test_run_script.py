@@ -63,8 +63,15 @@ def _base_env(tmp_path: Path) -> dict[str, str | None]:
 
 
 def _records(text: str) -> list[dict[str, Any]]:
-    found = [json.loads(line.split(" ", 1)[1]) for line in text.splitlines()
-             if line.startswith("RESULT ")]
+    """The RESULT records, by rank (under accel launch the ranks share a pipe: two records
+    may land on one line, so each is decoded from its marker to the end of its object)."""
+    decoder = json.JSONDecoder()
+    found = []
+    start = text.find("RESULT ")
+    while start != -1:
+        record, end = decoder.raw_decode(text, start + len("RESULT "))
+        found.append(record)
+        start = text.find("RESULT ", end)
     return sorted(found, key=lambda r: int(r["rank"]))
 
 
