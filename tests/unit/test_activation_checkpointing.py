@@ -6,7 +6,10 @@ tests/multiproc/test_activation_checkpointing_multiproc.py.
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -343,3 +346,19 @@ def test_regional_compile_with_inductor() -> None:
     torch.testing.assert_close(out, want_out)
     for name in want:
         torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_bench_smoke_run() -> None:
+    bench = Path(__file__).parents[2] / "bench" / "activation_checkpointing.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--depth", "2", "--width", "32", "--pairs", "1",
+         "--windows", "2", "--steps", "1"],
+        capture_output=True, text=True, check=True, timeout=300,
+    )
+    report = json.loads(done.stdout)
+    assert report["model"]["depth"] == 2 and report["device"] == "cpu"
+    (pair,) = report["memory_pairs"]
+    assert 0 < pair["on_mb"] < pair["off_mb"]  # 2 blocks: still less kept for the backward
+    assert report["timing"]["time_ratio"] > 0
+    assert isinstance(report["goal_met"], bool)
