@@ -95,6 +95,13 @@ def _body(strategy: str, directory: str) -> dict[str, Any]:
         got = _step(model, net, st.rank)
         result[f"{label}:max_diff"] = max((got[k] - want[k]).abs().max().item() for k in want)
         result[f"{label}:keys"] = list(accel.get_state_dict(model)) == names
+    with accel.distributed(mixed_precision="bf16"):  # bf16: FSDP casts in its hooks
+        plain = _net()
+        want = _step(accel.prepare_model(plain, strategy=strategy), plain, st.rank)
+        net = _net()
+        model = accel.prepare_model(net, strategy=strategy, activation_checkpointing=True)
+        got = _step(model, net, st.rank)
+        result["bf16:max_diff"] = max((got[k] - want[k]).abs().max().item() for k in want)
     if strategy == "fsdp":
         from accel.fsdp import is_fsdp_module
 
@@ -123,6 +130,7 @@ def test_checkpointing_and_regional_compile_across_two_processes(
             assert result[f"{label}:unwrap"], label
             assert result[f"{label}:keys"], label
             assert result[f"{label}:max_diff"] < 1e-6, (label, result[f"{label}:max_diff"])
+        assert result["bf16:max_diff"] < 1e-6, result["bf16:max_diff"]
         assert result["checkpointed:compiled"] == [False, False, False]
         assert result["regional:compiled"] == [True, True, True]
         assert result["loaded_equal"]

@@ -10,6 +10,7 @@ import json
 import logging
 import subprocess
 import sys
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,8 @@ def test_checkpointing_gives_equal_gradients_and_recomputes_each_block() -> None
         assert list(net.state_dict()) == names
         assert [n for n, _ in net.named_parameters()] == params
         assert list(accel.get_state_dict(model)) == names
+        copy = deepcopy(net)  # the wrapper follows the copy, not the original
+        assert copy.blocks[0].__dict__["forward"].module is copy.blocks[0]
         Block.calls = 0
         with torch.no_grad():
             model(torch.randn(2, 3))
