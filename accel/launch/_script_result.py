@@ -11,7 +11,7 @@ from accel.errors import CollectiveTimeoutError, LaunchError
 
 __all__ = ["ScriptResult", "exit_text", "tail"]
 
-_TAIL_LINES = 25  # lines of a rank's output quoted in an error
+_TAIL_LINES = 40  # lines of a rank's output quoted in an error
 
 
 @attrs.frozen(kw_only=True)
@@ -28,6 +28,8 @@ class ScriptResult:
         stderr: each rank's standard error.
         timeout: the run's timeout, in seconds.
         timed_out: the run reached its timeout and the ranks still running were killed.
+        killed: the ranks killed here: still running at the timeout, or a few seconds after
+            another rank failed.
         failed_rank: the first failing rank (a rank that only lost its connection to a failed
             peer is not taken for the cause), or ``None``.
         traceback: that rank's Python traceback, trimmed to the script's frames as
@@ -41,6 +43,7 @@ class ScriptResult:
     stderr: tuple[str, ...]
     timeout: float
     timed_out: bool = False
+    killed: tuple[int, ...] = ()
     failed_rank: int | None = None
     traceback: str | None = None
 
@@ -90,11 +93,13 @@ class ScriptResult:
         return "\n".join(lines)
 
     def _describe_timeout(self) -> str:
-        hung = [rank for rank, code in enumerate(self.exit_codes) if code == -signal.SIGKILL]
-        lines = [f"run_script({self.script!r}) exceeded timeout={self.timeout!r}s: ranks "
+        hung = list(self.killed)
+        command = " ".join([self.script, *self.args])
+        lines = [f"run_script({command!r}) exceeded timeout={self.timeout!r}s: ranks "
                  f"{hung} were still running and were killed (exit codes by rank: "
                  + ", ".join(str(c) for c in self.exit_codes) + "). Look for a collective "
-                 "called on only some ranks, or pass a larger `timeout=`."]
+                 "called on only some ranks, or pass a larger `timeout=`. (A rank still running "
+                 "shortly before the timeout wrote its Python stack to its stderr.)"]
         for rank in hung:
             lines += [f"----- end of rank {rank}'s stdout -----", tail(self.stdout[rank]),
                       f"----- end of rank {rank}'s stderr -----", tail(self.stderr[rank])]

@@ -16,6 +16,7 @@ through :mod:`accel.launch.worker`, the entry point of launched workers (``__mai
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import os
 import runpy
@@ -40,7 +41,9 @@ __all__ = ["RunningScript", "run_script", "start_script"]
 
 _GRACE_S = 3.0  # after one rank fails, how long the others get to end (as run_distributed)
 _POLL_S = 0.005  # wait_for's polling interval
-_HOST = "localhost"  # torch's agent gives its workers this MASTER_ADDR on one machine
+_HOST = "localhost"
+_STACK_SIGNAL = signal.SIGUSR2  # dumps a rank's Python stacks (faulthandler) before a kill
+_STACK_WAIT_S = 0.5  # torch's agent gives its workers this MASTER_ADDR on one machine
 
 
 def _script_worker(script: str, args: tuple[str, ...], cwd: str, environ: dict[str, str],
@@ -62,6 +65,8 @@ def _script_worker(script: str, args: tuple[str, ...], cwd: str, environ: dict[s
                       closefd=False)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
+    # at the timeout, SIGUSR2 first: the rank writes its threads' stacks to its stderr
+    faulthandler.register(_STACK_SIGNAL, all_threads=True, chain=False)
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
@@ -272,6 +277,7 @@ class RunningScript:
         """
         if self._result is None:
             stopped, timed_out = self._wait()
+            self._dump_stacks(stopped)
             self.close()
             codes = tuple(int(p.exitcode if p.exitcode is not None else -signal.SIGKILL)
                           for p in self._procs)
@@ -285,7 +291,8 @@ class RunningScript:
                 script=self.script, args=self.args, exit_codes=codes,
                 stdout=tuple(out for out, _, _ in outputs),
                 stderr=tuple(err for _, err, _ in outputs), timeout=self.timeout,
-                timed_out=timed_out, failed_rank=failed, traceback=trace,
+                timed_out=timed_out, killed=tuple(sorted(stopped)), failed_rank=failed,
+                traceback=trace,
             )
             self._tmp.cleanup()
         return self._result.check() if check else self._result
@@ -308,6 +315,13 @@ class RunningScript:
                         grace_end = time.monotonic() + _GRACE_S
         stopped = {rank for rank in range(len(procs)) if rank not in self._ended}
         return stopped, bool(stopped) and grace_end is None
+
+    def _dump_stacks(self, ranks: set[int]) -> None:
+        """Have the ranks about to be killed write their Python stacks to their stderr."""
+        for rank in ranks:
+            self.send_signal(_STACK_SIGNAL, rank)
+        if ranks:
+            time.sleep(_STACK_WAIT_S)
 
     def close(self) -> None:
         """Kill every rank still running, with the processes it started; reap them all."""

@@ -208,11 +208,14 @@ def test_a_hung_rank_is_killed_at_the_timeout(tmp_path: Path) -> None:
     ))
     result = run_script(script, world_size=2, timeout=3, check=False)
     assert result.timed_out and not result.ok
-    assert result.exit_codes == (0, -9)
+    assert result.exit_codes == (0, -9) and result.killed == (1,)
     assert result.stdout == ("waiting on rank 0\n", "waiting on rank 1\n")
+    # before the kill, the hung rank wrote where it was (faulthandler) to its stderr
+    assert f'File "{script}", line 5 in <module>' in result.stderr[1]
     with pytest.raises(CollectiveTimeoutError, match=r"timeout=3.*ranks \[1\]") as info:
         result.check()
-    assert "waiting on rank 1" in str(info.value)  # the hung rank's last output
+    assert "waiting on rank 1" in str(info.value)  # the hung rank's last output and stack
+    assert "line 5 in <module>" in str(info.value)
     assert multiprocessing.active_children() == []
 
 

@@ -53,6 +53,9 @@ def make_optim(
     return optimizer, scheduler
 
 
+_KEEP_UNTIL_EXIT: list[object] = []
+
+
 def run_accelerate(mixed_precision: str) -> tuple[dict, list, int]:
     from accelerate import Accelerator
 
@@ -97,6 +100,11 @@ def run_accelerate(mixed_precision: str) -> tuple[dict, list, int]:
     state = accelerator.unwrap_model(model).state_dict()
     rank = accelerator.process_index
     accelerator.end_training()
+    # end_training() left the DDP reducer the last owner of the gloo group: dropping it here
+    # destroys the group, which joins gloo's threads while holding the GIL, and a thread still
+    # freeing a finished all_gather's tensors waits for the GIL: a deadlock (torch 2.13, seen
+    # ~1 run in 10). Kept until the process ends instead.
+    _KEEP_UNTIL_EXIT.append(model)
     return state, trace, rank
 
 
