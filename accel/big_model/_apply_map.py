@@ -30,6 +30,7 @@ from accel.big_model.hooks import (
     plan_hooks,
 )
 from accel.big_model.offload import MappedFile, TensorSource, map_sources, write_offload_file
+from accel.checkpoint._values import dtype_kind
 from accel.errors import CheckpointError, DeviceMapError
 
 __all__ = [
@@ -39,6 +40,8 @@ __all__ = [
 
 CPU = torch.device("cpu")
 DEVICE_MAP_ATTR = "hf_device_map"
+# data a model tensor of each kind never takes from a file: integer bits read as floats
+_REFUSED_KINDS = {"floating": ("integer", "bool", "complex"), "complex": ("integer", "bool")}
 
 
 @attrs.define(eq=False)
@@ -150,6 +153,14 @@ def _origins(
             )
         file, file_key = mapped[name]
         cast = wanted[name]
+        stored = dtype_kind(file.dtype(file_key))
+        if stored in _REFUSED_KINDS.get(dtype_kind(t.tensor.dtype), ()):
+            raise CheckpointError(
+                f"Weights file {os.fspath(file.path)!r} holds {file_key!r} as "
+                f"{file.dtype(file_key)}, and {name!r} is {t.tensor.dtype}: its bytes would be "
+                "read as other numbers (the file was changed or crafted). Load the model again "
+                "from a checkpoint of its own dtypes."
+            )
         floating = file.dtype(file_key).is_floating_point
         dtype = cast if cast is not None and floating else t.tensor.dtype
         out[key] = _Origin(file.tensor(file_key), dtype, file, file_key)

@@ -39,6 +39,7 @@ from accel._state import scope
 from accel.checkpoint._fit import check_fits
 from accel.checkpoint._layout import MANIFEST
 from accel.checkpoint._stream import read_weights
+from accel.checkpoint._torch_pickle import check_loaded
 from accel.checkpoint._torch_zip import is_zip, opened_torch_file
 from accel.checkpoint.state import CheckpointInfo, _agree, _describe, _load_into, _unwrap
 from accel.collectives import gather_object
@@ -143,8 +144,8 @@ def _torch_file(path: Path, name: str) -> Any:
     try:
         with opened_torch_file(path) as (file, own):  # a zip is checked before it is mapped
             zipped = is_zip(file)
-            return torch.load(own if zipped else file, map_location="cpu",
-                              weights_only=True, mmap=zipped)
+            loaded = torch.load(own if zipped else file, map_location="cpu",
+                                weights_only=True, mmap=zipped)
     except CheckpointError:
         raise
     except pickle.UnpicklingError as exc:
@@ -161,6 +162,11 @@ def _torch_file(path: Path, name: str) -> Any:
             f"{os.fspath(path)!r} (the state of {name}=) is corrupted or unreadable "
             f"({type(exc).__name__}: {exc}). Copy or write the checkpoint again."
         ) from None
+    check_loaded(loaded, lambda what: CheckpointError(  # before anything walks it
+        f"{os.fspath(path)!r} (the state of {name}=) is refused: it {what}, which no state "
+        "dict does. The file is corrupted or was crafted; write it again."
+    ))
+    return loaded
 
 
 def _missing(path: Path, name: str, what: str, fix: str) -> CheckpointError:

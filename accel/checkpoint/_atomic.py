@@ -134,15 +134,29 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 
 def leftovers(final: Path, kind: str) -> list[Path]:
-    """Hidden scratch siblings of ``final`` of one kind (``tmp``, ``old`` or ``trash``)."""
+    """Hidden scratch siblings of ``final`` of one kind (``tmp``, ``old`` or ``trash``).
+
+    Only entries of this user count: a writer's scratch copies are its own, and one planted
+    by another user in a shared parent directory (``/scratch``) is never read as an old
+    checkpoint, moved into place or emptied into the user's directory.
+    """
     if kind not in _KINDS:
         raise CheckpointError(f"leftovers(kind={kind!r}): kind must be one of {list(_KINDS)}.")
-    pattern = re.compile(rf"^\.{re.escape(final.name)}\.{kind}-[0-9a-f]+$")
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.{kind}-[0-9a-f]+\Z")
     try:
         names = os.listdir(final.parent)
     except OSError:
         return []
-    return sorted(final.parent / n for n in names if pattern.match(n))
+    return sorted(final.parent / n for n in names if pattern.match(n) and _own(final.parent / n))
+
+
+def _own(path: Path) -> bool:
+    """Whether ``path`` (not followed) belongs to this process's user (always, without uids)."""
+    user = getattr(os, "geteuid", None)
+    try:
+        return user is None or os.lstat(path).st_uid == user()
+    except OSError:
+        return False
 
 
 def _only_files(path: Path) -> bool:

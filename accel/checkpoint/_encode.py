@@ -59,8 +59,21 @@ def encode(value: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
     )
 
 
+def _malformed(tag: str, inner: Any) -> CheckpointError:
+    return CheckpointError(
+        f"The checkpoint's structure holds {{{tag!r}: {inner!r:.60}}}, which accel never "
+        "writes: the checkpoint is corrupted or crafted. Load an earlier one."
+    )
+
+
 def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`encode`."""
+    """Inverse of :func:`encode`.
+
+    Raises:
+        CheckpointError: a tagged form that :func:`encode` never writes (a tensor reference
+            that is no name, a tuple or dict form that is no list of items, a float that
+            does not parse), or a tensor the tensor file lacks.
+    """
     if isinstance(value, list):
         return [decode(v, tensors) for v in value]
     if not isinstance(value, dict):
@@ -68,6 +81,8 @@ def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if len(value) == 1:
         (tag, inner), = value.items()
         if tag == _TENSOR:
+            if not isinstance(inner, str):
+                raise _malformed(tag, inner)
             if inner not in tensors:
                 raise CheckpointError(
                     f"The checkpoint's structure names tensor {inner!r}, which its tensor file "
@@ -75,8 +90,16 @@ def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
                 )
             return tensors[inner]
         if tag == _TUPLE:
+            if not isinstance(inner, list):
+                raise _malformed(tag, inner)
             return tuple(decode(v, tensors) for v in inner)
         if tag == _DICT:
+            if not isinstance(inner, list) or not all(
+                isinstance(item, list) and len(item) == 2
+                and (item[0] is None or isinstance(item[0], str | int | bool))
+                for item in inner
+            ):
+                raise _malformed(tag, inner)
             return {k: decode(v, tensors) for k, v in inner}
         if tag == _DTYPE:
             dtype = getattr(torch, inner, None) if isinstance(inner, str) else None
@@ -87,5 +110,7 @@ def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
                 )
             return dtype
         if tag == _FLOAT:
+            if inner not in ("inf", "-inf", "nan"):  # what encode writes (repr of such floats)
+                raise _malformed(tag, inner)
             return float(inner)
     return {k: decode(v, tensors) for k, v in value.items()}

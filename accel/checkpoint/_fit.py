@@ -62,6 +62,7 @@ def _check_optimizer(name: str, optimizer: torch.optim.Optimizer, saved: Any) ->
             f"the optimizer passed as {name}= has {own_sizes}. Create the optimizer over the "
             "same parameters, in the same groups, as when it was saved."
         )
+    _check_ids(name, [i for g in groups for i in g["params"]], state)
     for saved_group, own_group in zip(groups, own, strict=True):
         for index, param in zip(saved_group["params"], own_group["params"], strict=True):
             entry = state.get(index)
@@ -75,6 +76,27 @@ def _check_optimizer(name: str, optimizer: torch.optim.Optimizer, saved: Any) ->
                         f"for a parameter of shape {tuple(param.shape)}: it was saved for "
                         "another model. Load the matching checkpoint."
                     )
+
+
+def _check_ids(name: str, ids: list[Any], state: Mapping[Any, Any]) -> None:
+    """The parameter ids of the groups are distinct numbers (or names), and every numbered
+    per-parameter state belongs to one of them: else ``load_state_dict`` would give a
+    parameter another's state, or silently drop it."""
+    plain = all(isinstance(i, int | str) and not isinstance(i, bool) for i in ids)
+    if not plain or len(set(ids)) != len(ids):
+        raise CheckpointError(
+            f"The checkpoint's optimizer {name!r} names its parameters {ids[:8]!r:.200}: each "
+            "must be a distinct number (torch writes 0, 1, 2, ...). The checkpoint is corrupted "
+            "or crafted; load an earlier one."
+        )
+    known = set(ids)
+    stray = [k for k in state if isinstance(k, int) and not isinstance(k, bool) and k not in known]
+    if stray:
+        raise CheckpointError(
+            f"The checkpoint's optimizer {name!r} holds state for parameters {stray[:8]!r:.200} "
+            f"that none of its parameter groups names (they name {ids[:8]!r:.200}): loading "
+            "would drop it. The checkpoint is corrupted or crafted; load an earlier one."
+        )
 
 
 def check_fits(name: str, target: Any, saved: Any) -> None:

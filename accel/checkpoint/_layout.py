@@ -35,8 +35,8 @@ __all__ = [
 MANIFEST = "manifest.json"
 FORMAT = "accel-checkpoint"
 ROOT_LOCK = ".accel-checkpoints.lock"
-_STEP_DIR = re.compile(r"^checkpoint_(\d+)$")
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_STEP_DIR = re.compile(r"^checkpoint_([0-9]+)\Z")  # ASCII digits, no "\n" at the end
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")  # fullmatch: no "\n" at the end
 _RANK_FILE = "rng_rank0.json"  # every save_state writes it: its presence marks a checkpoint
 
 
@@ -80,7 +80,7 @@ def _check_files(path: Path, files: object) -> None:
         if not isinstance(entry, dict):
             raise _schema_error(path, f"a 'files' entry is {entry!r:.60}, not an object")
         name, size, crc, rank = (entry.get(k) for k in ("name", "size", "crc32", "rank"))
-        if not isinstance(name, str) or not _FILE_NAME.match(name):
+        if not isinstance(name, str) or not _FILE_NAME.fullmatch(name):
             raise _schema_error(
                 path, f"the entry name {name!r:.80} is not a plain file name inside the directory"
             )
@@ -196,7 +196,7 @@ def candidates(directory: Path) -> tuple[list[Path], bool]:
         if match:
             found[int(match.group(1))] = directory / name
     for name in os.listdir(directory):
-        match = re.match(r"^\.(checkpoint_(\d+))\.old-[0-9a-f]+$", name)
+        match = re.match(r"^\.(checkpoint_([0-9]+))\.old-[0-9a-f]+\Z", name)
         if match and int(match.group(2)) not in found and _looks_like_checkpoint(
             directory / name
         ):

@@ -19,7 +19,7 @@ from accel.errors import CheckpointArgumentError, CheckpointError
 
 __all__ = ["agree_candidates", "group_of", "resolve", "settle_start", "writes"]
 
-_NUMBERED = re.compile(r"^\.?(checkpoint_\d+)(?:\.old-[0-9a-f]+)?$")
+_NUMBERED = re.compile(r"^\.?(checkpoint_[0-9]+)(?:\.old-[0-9a-f]+)?\Z")
 
 
 def resolve(on_each_node: object, op: str) -> bool:

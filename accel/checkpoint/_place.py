@@ -19,8 +19,8 @@ from accel.errors import CheckpointError
 
 __all__ = ["lock", "prepare_target", "recover_root", "rotate"]
 
-_STEP_DIR = re.compile(r"^checkpoint_(\d+)$")
-_LEFTOVER = re.compile(r"^\.(checkpoint_\d+)\.(?:tmp|old|trash)-[0-9a-f]+$")
+_STEP_DIR = re.compile(r"^checkpoint_([0-9]+)\Z")
+_LEFTOVER = re.compile(r"^\.(checkpoint_[0-9]+)\.(?:tmp|old|trash)-[0-9a-f]+\Z")
 
 
 def lock(root: Path, numbered: bool, where: str, each: bool) -> ExitStack:

@@ -18,11 +18,13 @@ parameter. Nothing is changed here: this runs in the verification step of ``load
 
 from __future__ import annotations
 
+import bisect
 import functools
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -49,6 +51,8 @@ from accel.model import unwrap_model
 
 __all__ = ["resolve"]
 
+_MAX_DIMS = 64  # as a safetensors header: more is no tensor accel wrote
+
 
 def _is_ref(value: Any) -> bool:
     return isinstance(value, dict) and len(value) == 1 and isinstance(value.get(SHARD_REF), str)
@@ -73,8 +77,14 @@ class _Pieces:
                 pieces = body["extra"]["pieces"]
             except (KeyError, TypeError) as exc:
                 raise self._corrupt(f"{file} has no piece list ({exc!r})") from None
+            if not isinstance(pieces, Mapping):
+                raise self._corrupt(f"{file} has no piece list ({pieces!r:.60})")
             for key, spot in pieces.items():
-                self.where.setdefault(key, []).append((stem, spot["offset"], spot["shape"]))
+                offset = spot.get("offset") if isinstance(spot, Mapping) else None
+                size = spot.get("shape") if isinstance(spot, Mapping) else None
+                if not (_counts(offset) and _counts(size) and len(offset) == len(size)):
+                    raise self._corrupt(f"{file} places its piece of {key!r} at {spot!r:.80}")
+                self.where.setdefault(key, []).append((stem, offset, size))
 
     def _invalid(self, file: str, problem: str) -> CheckpointError:
         return self._corrupt(f"{file} is not valid ({problem})")
@@ -87,9 +97,9 @@ class _Pieces:
 
     def shape(self, key: str) -> tuple[int, ...]:
         entry = self.meta.get(key)
-        if not isinstance(entry, Mapping) or not isinstance(entry.get("shape"), list):
+        if not isinstance(entry, Mapping) or not _counts(entry.get("shape")):
             raise self._corrupt(f"no global shape for {key!r}")
-        return tuple(int(s) for s in entry["shape"])
+        return tuple(entry["shape"])
 
     def _tensors(self, stem: str) -> dict[str, torch.Tensor]:
         if stem not in self.loaded:
@@ -97,29 +107,78 @@ class _Pieces:
         return self.loaded[stem]
 
     def box(self, key: str, offset: list[int], shape: list[int], device: Any) -> torch.Tensor:
-        """The part ``[offset, offset + shape)`` of the global tensor ``key``."""
+        """The part ``[offset, offset + shape)`` of the global tensor ``key``.
+
+        Every piece must lie inside the global tensor, the pieces overlapping the box must
+        cover it exactly once (no gap, no value twice), and each must be in its file with its
+        declared shape; all is checked before the box is allocated.
+        """
         dtype = getattr(torch, str(self.meta[key].get("dtype")), None)
         if not isinstance(dtype, torch.dtype):
             raise self._corrupt(f"{key!r} has dtype {self.meta[key].get('dtype')!r}")
-        out = torch.empty(shape, dtype=dtype, device=device)
-        filled = 0
+        whole = self.shape(key)
+        found: list[tuple[torch.Tensor, list[int], list[int], list[int]]] = []
         for stem, start, size in self.where.get(key, []):
+            if len(start) != len(whole) or any(
+                a + n > g for a, n, g in zip(start, size, whole, strict=True)
+            ):
+                raise self._corrupt(
+                    f"{stem}.json places a piece of {key!r} at {start} of shape {size}, outside "
+                    f"its global shape {list(whole)}"
+                )
             lo = [max(a, b) for a, b in zip(offset, start, strict=True)]
             hi = [min(a + n, b + m) for a, n, b, m in zip(offset, shape, start, size, strict=True)]
             if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
                 continue
-            piece = self._tensors(stem).get(key)
-            if piece is None or list(piece.shape) != list(size):
+            held: Any = self._tensors(stem)
+            piece = held.get(key) if isinstance(held, Mapping) else None
+            if not isinstance(piece, torch.Tensor) or list(piece.shape) != list(size):
                 raise self._corrupt(f"{stem}.safetensors lacks its piece of {key!r}")
+            found.append((piece, start, lo, hi))
+        needed = math.prod(shape)
+        filled = sum(math.prod(b - a for a, b in zip(lo, hi, strict=True))
+                     for _, _, lo, hi in found)
+        if filled != needed:
+            raise self._corrupt(
+                f"its pieces of {key!r} cover {filled} of the {needed} values needed"
+            )
+        if not _disjoint([(lo, hi) for _, _, lo, hi in found]):
+            raise self._corrupt(
+                f"its pieces of {key!r} overlap: they hold the {needed} values needed, but some "
+                "twice and others not at all"
+            )
+        out = torch.empty(shape, dtype=dtype, device=device)
+        for piece, start, lo, hi in found:
             src = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start, strict=True))
             dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))
             out[dst].copy_(piece[src])
-            filled += int(torch.Size([b - a for a, b in zip(lo, hi, strict=True)]).numel())
-        if filled != out.numel():
-            raise self._corrupt(
-                f"its pieces of {key!r} cover {filled} of the {out.numel()} values needed"
-            )
         return out
+
+
+def _counts(value: Any) -> TypeGuard[list[int]]:
+    """Whether ``value`` is a list of ints >= 0 (a shape or an offset, as accel writes them)."""
+    return isinstance(value, list) and len(value) <= _MAX_DIMS and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    )
+
+
+def _disjoint(boxes: list[tuple[list[int], list[int]]]) -> bool:
+    """Whether no two boxes ``[lo, hi)`` share a point: each is marked on the grid their
+    corners cut the space into (at most as many cells as the values they cover)."""
+    if len(boxes) < 2:
+        return True
+    if not boxes[0][0]:
+        return False  # two non-empty boxes of a scalar
+    cuts = [sorted({b[0][d] for b in boxes} | {b[1][d] for b in boxes})
+            for d in range(len(boxes[0][0]))]
+    grid = torch.zeros([len(c) - 1 for c in cuts], dtype=torch.bool)
+    for lo, hi in boxes:
+        cell = tuple(slice(bisect.bisect_left(c, a), bisect.bisect_left(c, b))
+                     for c, a, b in zip(cuts, lo, hi, strict=True))
+        if bool(grid[cell].any()):
+            return False
+        grid[cell] = True
+    return True
 
 
 def _local_box(like: Any) -> tuple[list[int], list[int]]:

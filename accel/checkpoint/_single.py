@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import os
 import pickle
-import stat
 import struct
 import warnings
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from accel.checkpoint._format import _NAMES, map_safetensors, write_safetensors
+from accel.checkpoint._safe_io import open_regular
 from accel.checkpoint._torch_zip import opened_torch_file
 from accel.errors import CheckpointArgumentError, CheckpointError, ConfigError
 
@@ -190,15 +190,12 @@ def _device(map_location: object) -> torch.device:
 
 def _kind(path: Path) -> str:
     """``"safetensors"``, ``"torch"`` or ``"unknown"``, from the first bytes of the file."""
-    status = path.stat()
-    if not stat.S_ISREG(status.st_mode):  # a FIFO would block, a device never end
-        raise CheckpointError(
-            f"accel.load({os.fspath(path)!r}) reads a regular file, but that is a special "
-            "file (a FIFO, device or socket). Point to the checkpoint file itself."
-        )
-    size = status.st_size
-    with open(path, "rb") as f:
-        head = f.read(9)
+    fd = open_regular(path, follow_links=True)  # a FIFO would block, a device never end
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 9, 0)
+    finally:
+        os.close(fd)
     if len(head) == 9:
         (header_len,) = struct.unpack("<Q", head[:8])
         if 0 < header_len <= size - 8 and head[8:9] == b"{":
@@ -208,31 +205,48 @@ def _kind(path: Path) -> str:
     return "unknown"
 
 
+def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
+    """Read from ``fd`` at ``offset`` into ``buffer``; the number of bytes read."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [buffer], offset)
+    data = os.pread(fd, len(buffer), offset)
+    buffer[: len(data)] = data
+    return len(data)
+
+
 def _read_safetensors(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of the file in memory of its own (not a view of a map of the file)."""
-    mapped, base, entries, _ = map_safetensors(path)  # checks the header; reads no data
-    mapped.close()
-    out: dict[str, torch.Tensor] = {}
-    with open(path, "rb") as f:
-        f.seek(base)
+    """Every tensor of the file in memory of its own (not a view of a map of the file).
+
+    The file is opened once: its header is checked and its tensors read (``pread``) from
+    that same open file, so a file swapped in meanwhile (a FIFO, another size) is not read.
+    """
+    fd = open_regular(path, follow_links=True)
+    try:
+        own = f"/proc/self/fd/{fd}"
+        mapped, base, entries, _ = map_safetensors(  # checks the header; reads no data
+            path, open_path=own if os.path.exists(own) else path
+        )
+        mapped.close()
+        out: dict[str, torch.Tensor] = {}
         for name, info in entries:  # in file order, back to back (checked above)
             dtype, shape = _NAMES[info["dtype"]], tuple(info["shape"])
-            numel = 1
-            for dim in shape:
-                numel *= dim
-            raw = torch.empty(numel * dtype.itemsize, dtype=torch.uint8)
+            start, end = info["data_offsets"]
+            raw = torch.empty(end - start, dtype=torch.uint8)
             buffer = raw.numpy().data  # a writable memoryview of the tensor's bytes
             filled = 0
             while filled < len(buffer):
-                got = f.readinto(buffer[filled:])
+                got = _pread_into(fd, buffer[filled:], base + start + filled)
                 if not got:
                     raise CheckpointError(
                         f"{os.fspath(path)!r} ended while reading tensor {name!r}: the file "
-                        "is truncated or was replaced while being read. Write it again."
+                        "is truncated or was cut short while being read. Write it again."
                     )
                 filled += got
-            tensor = raw.view(dtype).reshape(shape) if numel else torch.empty(shape, dtype=dtype)
+            tensor = raw.view(dtype).reshape(shape) if end > start else torch.empty(
+                shape, dtype=dtype)
             out[name] = tensor if device.type == "cpu" else tensor.to(device)
+    finally:
+        os.close(fd)
     return out
 
 
@@ -254,6 +268,10 @@ def read_file(path: Path, map_location: object) -> Any:
         )
     try:
         kind = _kind(path)
+    except CheckpointError as exc:  # a FIFO, a device, a socket
+        raise CheckpointError(
+            f"accel.load({where!r}) reads a regular file, but that is a special file: {exc}"
+        ) from None
     except FileNotFoundError:
         raise CheckpointError(
             f"accel.load({where!r}): there is no such file. Check the path (relative paths "
@@ -285,10 +303,10 @@ def read_file(path: Path, map_location: object) -> Any:
             "runs. If you trust the file, load it yourself with torch.load(weights_only=False) "
             "and save it again with accel.save."
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError, struct.error) as exc:
+    except Exception as exc:  # torch reports damaged files with many error types
         raise CheckpointError(
-            f"accel.load({where!r}): the torch file cannot be read ({_torch_reason(exc)}); it "
-            "is truncated or corrupted. Write it again."
+            f"accel.load({where!r}): the torch file cannot be read ({type(exc).__name__}: "
+            f"{_torch_reason(exc)}); it is truncated or corrupted. Write it again."
         ) from None
 
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from accel.checkpoint._format import read_safetensors
 from accel.checkpoint._torch_zip import is_zip, opened_torch_file
-from accel.checkpoint._values import dtype_kind
+from accel.checkpoint._values import dtype_kind, odd_tensor
 from accel.errors import CheckpointError, DeviceMapError
 
 __all__ = [
@@ -256,6 +256,13 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
             f"{os.fspath(path)!r} does not hold a state dict (a dict of name -> tensor) but a "
             f"{type(loaded).__name__}. Save `model.state_dict()` itself."
         )
+    odd = [f"{k!r} ({odd_tensor(v)})" for k, v in loaded.items() if odd_tensor(v)]
+    if odd:
+        raise CheckpointError(
+            f"{os.fspath(path)!r} holds tensors accel does not load into a model: "
+            f"{', '.join(odd[:_SHOWN])}. A weights file holds dense tensors with data; save "
+            "`model.state_dict()` of a plain model (`.to_dense()`, `.dequantize()` first)."
+        )
     return dict(loaded)
 
 
@@ -297,13 +304,16 @@ def _slots(model: nn.Module) -> tuple[dict[str, Slot], dict[int, list[str]]]:
 
 
 def _refuse_integer_data(stored: dict[str, Stored], slots: dict[str, Slot]) -> None:
-    """A floating tensor never takes integer data (``F32`` relabelled ``I32``: values ~1e9)."""
+    """A floating tensor never takes integer data (``F32`` relabelled ``I32``: values ~1e9),
+    nor a real one complex data (its imaginary part would be dropped)."""
+    refused = {"floating": ("integer", "bool", "complex"), "complex": ("integer", "bool")}
     wrong = [f"{key!r} is {s.dtype} in {os.fspath(s.file)!r}, {slots[key].tensor.dtype} in the "
              "model" for key, s in stored.items() if key in slots and dtype_kind(s.dtype) in
-             ("integer", "bool") and dtype_kind(slots[key].tensor.dtype) in ("floating", "complex")]
+             refused.get(dtype_kind(slots[key].tensor.dtype), ())]
     if wrong:
         raise CheckpointError(
-            f"The checkpoint holds integer data for floating tensors of the model: "
+            "The checkpoint holds integer data for floating tensors of the model (or complex "
+            f"data for real ones): "
             f"{'; '.join(wrong[:_SHOWN])}. Nothing was loaded. The file is corrupted or was "
             "crafted, or it holds quantized weights: load it into the model it was saved from."
         )
@@ -441,7 +451,9 @@ def stream(plan: Plan, *, write: Writer | None = None) -> dict[str, Source]:
         to_disk: dict[str, torch.Tensor] = {}
         for key in jobs:
             src = tensors.pop(key, None)
-            if src is None or tuple(src.shape) != plan.stored[key].shape:
+            if src is None or tuple(src.shape) != plan.stored[key].shape or (
+                src.dtype != plan.stored[key].dtype
+            ):
                 raise CheckpointError(
                     f"Weights file {os.fspath(file)!r} changed while it was being loaded "
                     f"({key!r} differs). Load again once it is no longer being written."

@@ -202,6 +202,7 @@ def by_names(saved: Any, extra: Mapping[str, Any]) -> Any:
         return None
     new_state: dict[str, Any] = {}
     new_groups = []
+    seen: set[Any] = set()
     for group, group_names in zip(groups, names, strict=True):
         ids = group.get("params") if isinstance(group, Mapping) else None
         if not (isinstance(ids, list) and isinstance(group_names, list)
@@ -209,7 +210,12 @@ def by_names(saved: Any, extra: Mapping[str, Any]) -> Any:
                 and all(isinstance(n, str) for n in group_names)):
             return None
         for pid, param_name in zip(ids, group_names, strict=True):
+            if not isinstance(pid, int | str) or pid in seen:
+                return None  # ids torch never writes: left for the checks to report
+            seen.add(pid)
             if pid in state:
                 new_state[param_name] = state[pid]
         new_groups.append({**group, "params": list(group_names)})
+    if any(isinstance(k, int) and k not in seen for k in state):
+        return None  # state that no group names would be dropped: left for the checks
     return {**saved, "state": new_state, "param_groups": new_groups}

@@ -18,29 +18,31 @@ mapped. It reads only the zip's central directory, each member's local header an
 * every storage the pickle declares has its member, holding exactly the declared number of
   bytes (the storage type's element size times its element count).
 
-The pickle is read by an unpickler that builds nothing: every global it names becomes an
-inert stand-in and storages are only recorded, so no code of the file runs here either.
+The pickle is read by an unpickler that builds nothing (:mod:`accel.checkpoint._torch_pickle`):
+every global it names becomes an inert stand-in, storages are only recorded, and calls that
+would build far more than the file holds (``bytearray(2**34)``, nested ``_codecs.encode``) are
+refused, so no code of the file runs here and torch's own reading stays bounded.
 :func:`opened_torch_file` opens a file once (regular files only, without blocking on a
-FIFO), checks it when it is a zip, and hands torch a path to that same open file, so what
-was checked is what torch reads.
+FIFO), checks it (a zip as above; a file in torch's format before zip, or a bare pickle, by
+its pickles), and hands torch a path to that same open file, so what was checked is what
+torch reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 import os
-import pickle
 import struct
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
-
-import torch
+from typing import IO
 
 from accel.checkpoint._safe_io import open_regular
+from accel.checkpoint._torch_pickle import check_legacy, inspect
 from accel.errors import CheckpointError
 
 __all__ = ["check_torch_zip", "is_zip", "opened_torch_file"]
@@ -50,120 +52,17 @@ _LOCAL_MAGIC = b"PK\x03\x04"
 _ENCRYPTED = 0x1
 _DESCRIPTOR = 0x8  # sizes and CRC follow the data; the local header may hold zeros
 _UTF8 = 0x800
-_MAX_GLOBALS = 4096  # distinct globals a data.pkl may name (torch's use a handful)
-_MAX_NUMEL = 1 << 62
 _NAME_GUESS = 226  # bytes read after a local header at once: its name, mostly
-
-
-def _storage_sizes() -> dict[tuple[str, str], int]:
-    """Element size of each storage type a weights-only torch file may name: the legacy
-    typed storages (also as ``torch.cuda``'s, in files older than torch 2) and the untyped
-    one (one byte: its element count is its size)."""
-    dtypes = {
-        "Double": torch.float64, "Float": torch.float32, "Half": torch.float16,
-        "BFloat16": torch.bfloat16, "Long": torch.int64, "Int": torch.int32,
-        "Short": torch.int16, "Char": torch.int8, "Byte": torch.uint8, "Bool": torch.bool,
-        "ComplexDouble": torch.complex128, "ComplexFloat": torch.complex64,
-        "QInt8": torch.qint8, "QInt32": torch.qint32, "QUInt8": torch.quint8,
-        "QUInt4x2": torch.quint4x2, "QUInt2x4": torch.quint2x4,
-    }
-    sizes = {("torch.storage", "UntypedStorage"): 1}
-    for module in ("torch", "torch.cuda"):
-        sizes.update({(module, f"{n}Storage"): d.itemsize for n, d in dtypes.items()})
-    return sizes
-
-
-_SIZES = _storage_sizes()
 
 
 def _refuse(where: str, what: str) -> CheckpointError:
     return CheckpointError(
         f"{where!r} is not a torch file accel reads: {what}. torch.save writes every member "
-        "stored (uncompressed) with exactly the bytes its data.pkl declares, so the file was "
-        "made or altered by something else and would load wrong values or unbounded memory. "
-        "Write it again from its source with torch.save or accel.save."
+        "stored (uncompressed) with exactly the bytes its data.pkl declares, and a pickle that "
+        "builds no more than the file holds, so the file was made or altered by something "
+        "else and would load wrong values or unbounded memory. Write it again from its "
+        "source with torch.save or accel.save."
     )
-
-
-class _StandIn:
-    """What every global of the inspected pickle becomes: accepts anything, runs nothing."""
-
-    where: tuple[str, str] = ("", "")
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _StandIn:
-        del args, kwargs
-        return super().__new__(cls)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        del args, kwargs
-
-    def __call__(self, *args: Any, **kwargs: Any) -> _StandIn:
-        del args, kwargs
-        return _StandIn()
-
-    def __setstate__(self, state: Any) -> None:
-        del state
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        del key, value
-
-    def append(self, value: Any) -> None:
-        del value
-
-    def extend(self, values: Any) -> None:
-        del values
-
-    def add(self, value: Any) -> None:
-        del value
-
-
-class _Inspector(pickle.Unpickler):
-    """Reads a ``data.pkl`` for the storages it declares: key -> bytes."""
-
-    def __init__(self, data: bytes, where: str) -> None:
-        super().__init__(io.BytesIO(data), encoding="utf-8")
-        self.where = where
-        self.globals: dict[tuple[str, str], type[_StandIn]] = {}
-        self.storages: dict[str, int] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = self.globals.get((module, name))
-        if found is None:
-            if len(self.globals) >= _MAX_GLOBALS:
-                raise _refuse(self.where, f"its data.pkl names over {_MAX_GLOBALS} globals")
-            found = type("StandIn", (_StandIn,), {"where": (module, name)})
-            self.globals[(module, name)] = found
-        return found
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not isinstance(pid, tuple) or len(pid) != 5 or _text(pid[0]) != "storage":
-            raise _refuse(self.where, f"its data.pkl holds the unknown reference {pid!r:.80}")
-        kind, key, numel = pid[1], _text(pid[2]), pid[4]
-        where = getattr(kind, "where", None) if isinstance(kind, type) else None
-        itemsize = _SIZES.get(where) if isinstance(where, tuple) else None
-        if itemsize is None:
-            raise _refuse(self.where, f"its data.pkl names the unknown storage type {kind!r:.80}")
-        if key is None or type(numel) is not int or not 0 <= numel <= _MAX_NUMEL:
-            raise _refuse(
-                self.where, f"its data.pkl declares a storage as {pid[2]!r:.40} of {numel!r:.40} "
-                "elements"
-            )
-        nbytes = numel * itemsize
-        if self.storages.setdefault(key, nbytes) != nbytes:
-            raise _refuse(
-                self.where, f"its data.pkl declares storage {key!r} as both "
-                f"{self.storages[key]} and {nbytes} bytes"
-            )
-        return _StandIn()
-
-
-def _text(value: object) -> str | None:
-    if isinstance(value, bytes):
-        try:
-            return value.decode("ascii")
-        except UnicodeDecodeError:
-            return None
-    return value if isinstance(value, str) else None
 
 
 def _read_at(file: IO[bytes], offset: int, size: int) -> bytes:
@@ -218,6 +117,10 @@ def _data_range(file: IO[bytes], info: zipfile.ZipInfo, where: str) -> tuple[int
     return start, start + info.compress_size
 
 
+def _refuse_pickle(where: str, part: str, what: str) -> CheckpointError:
+    return _refuse(where, f"{part} {what}")
+
+
 def check_torch_zip(file: IO[bytes], where: str) -> None:
     """Refuse a torch zip file that is compressed, inconsistent or declares other sizes.
 
@@ -259,13 +162,8 @@ def check_torch_zip(file: IO[bytes], where: str) -> None:
     if pickled is None:
         raise _refuse(where, f"it has no member {archive_dir + '/data.pkl'!r}")
     data = _read_at(file, pickled[0], pickled[1] - pickled[0])
-    inspector = _Inspector(data, where)
-    try:
-        inspector.load()
-    except CheckpointError:
-        raise
-    except Exception as exc:  # a damaged pickle fails with many error types
-        raise _refuse(where, f"its data.pkl cannot be read ({type(exc).__name__}: {exc})") from None
+    refuse = functools.partial(_refuse_pickle, where, "its data.pkl")
+    inspector = inspect(io.BytesIO(data), len(data), refuse)
     for key, nbytes in inspector.storages.items():
         name = f"{archive_dir}/data/{key}"
         found = members.get(name.lower())
@@ -280,15 +178,16 @@ def check_torch_zip(file: IO[bytes], where: str) -> None:
 
 @contextlib.contextmanager
 def opened_torch_file(path: Path, where: str | None = None) -> Iterator[tuple[IO[bytes], Path]]:
-    """Open ``path`` once, check it (:func:`check_torch_zip`) when it is a zip, and give the
-    open file and a path to *that* file for ``torch.load`` (``/proc/self/fd/N`` on Linux,
-    so a file swapped in after the check is not what torch reads; else ``path``).
+    """Open ``path`` once, check it (:func:`check_torch_zip`, or its pickles when it is not
+    a zip), and give the open file and a path to *that* file for ``torch.load``
+    (``/proc/self/fd/N`` on Linux, so a file swapped in after the check is not what torch
+    reads; else ``path``).
 
     The file is opened without blocking (a FIFO is refused, not waited on) and must be a
     regular file. The file's position is at its start when given.
 
     Raises:
-        CheckpointError: the file is not a regular file, or the zip check fails.
+        CheckpointError: the file is not a regular file, or the zip or pickle check fails.
         OSError: the file cannot be opened (the caller says which file was wanted).
     """
     where = os.fspath(path) if where is None else where
@@ -302,6 +201,8 @@ def opened_torch_file(path: Path, where: str | None = None) -> Iterator[tuple[IO
     with file:
         if is_zip(file):
             check_torch_zip(file, where)
+        else:  # torch's format before zip, or a bare pickle: its pickles are checked alike
+            check_legacy(file, where, functools.partial(_refuse_pickle, where, "its pickle"))
         file.seek(0)
         own = Path(f"/proc/self/fd/{file.fileno()}")
         yield file, own if own.exists() else path

@@ -36,7 +36,7 @@ from accel.errors import CheckpointError
 
 __all__ = [
     "PARAM_SHAPED", "check_counter", "check_gradients", "check_recorded", "check_rng",
-    "check_values", "dtype_kind", "dtype_names",
+    "check_values", "dtype_kind", "dtype_names", "odd_tensor",
 ]
 
 _SHOWN = 6  # problems named in one message
@@ -57,6 +57,20 @@ def dtype_kind(dtype: torch.dtype) -> str:
     if dtype.is_complex:
         return "complex"
     return "floating" if dtype.is_floating_point else "integer"
+
+
+def odd_tensor(tensor: torch.Tensor) -> str:
+    """What makes ``tensor`` no plain dense tensor with data (``""`` when it is one): a
+    torch file may hold meta, sparse, nested or quantized tensors, which no weight takes."""
+    if tensor.is_meta:
+        return "a meta tensor, without data"
+    if tensor.is_nested:
+        return "a nested tensor"
+    if tensor.layout != torch.strided:
+        return f"a tensor of layout {tensor.layout}"
+    if tensor.is_quantized:
+        return f"a quantized {tensor.dtype} tensor"
+    return ""
 
 
 def dtype_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -106,7 +120,7 @@ def _finite(value: object) -> bool:
 
 def _show(value: object) -> str:
     if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor"
+        return odd_tensor(value) or f"a {value.dtype} tensor"
     return f"{type(value).__name__} {value!r:.40}"
 
 
@@ -134,7 +148,7 @@ class _Checker:
             if not isinstance(saved, str):
                 self.wrong(path, saved, "the live object holds a string")
         elif isinstance(live, torch.Tensor):
-            self.tensor(saved, dtype_kind(live.dtype), path, f"a {live.dtype} tensor")
+            self.tensor(saved, dtype_kind(live.dtype), path, f"a {live.dtype} tensor", live)
             if self.exact and isinstance(saved, torch.Tensor) and (
                 saved.dtype != live.dtype or saved.shape != live.shape
             ):
@@ -159,8 +173,11 @@ class _Checker:
             for index, (a, b) in enumerate(zip(live, saved, strict=False)):
                 self.like(a, b, f"{path}[{index}]")
 
-    def tensor(self, saved: Any, kind: str, path: str, live: str) -> None:
-        if not isinstance(saved, torch.Tensor):
+    def tensor(
+        self, saved: Any, kind: str, path: str, live: str, like: torch.Tensor | None = None
+    ) -> None:
+        odd = odd_tensor(saved) if isinstance(saved, torch.Tensor) else "not a tensor"
+        if odd and (like is None or odd_tensor(like) != odd):  # meta, sparse... unlike live
             self.wrong(path, saved, f"the live object holds {live}")
         elif dtype_kind(saved.dtype) != kind:
             self.wrong(path, saved, f"the live object holds {live} ({kind} data)")
@@ -169,7 +186,9 @@ class _Checker:
         """An optimizer's step count: a finite number >= 0, or a one-element such tensor."""
         value = saved
         if isinstance(saved, torch.Tensor):
-            if saved.numel() != 1 or dtype_kind(saved.dtype) not in ("floating", "integer"):
+            if odd_tensor(saved) or saved.numel() != 1 or (
+                dtype_kind(saved.dtype) not in ("floating", "integer")
+            ):
                 self.wrong(path, saved, "a step count (a number) belongs")
                 return
             value = saved.item()
@@ -181,7 +200,7 @@ def _module(checker: _Checker, module: nn.Module, saved: Mapping[str, Any]) -> N
     for key, value in module.state_dict().items():
         if isinstance(value, torch.Tensor) and key in saved:
             checker.tensor(saved[key], dtype_kind(value.dtype), repr(key), f"a {value.dtype} "
-                           "tensor")
+                           "tensor", value)
 
 
 def _optimizer(checker: _Checker, optimizer: torch.optim.Optimizer, saved: Any) -> None:
@@ -204,6 +223,10 @@ def _param_state(
     checker: _Checker, live: Any, param: torch.Tensor, entry: Mapping[str, Any], path: str
 ) -> None:
     """One parameter's saved state, against the live one or, where none yet, the parameter."""
+    for key, value in entry.items():  # the optimizer moves every tensor to its parameter
+        if isinstance(value, torch.Tensor) and odd_tensor(value):
+            checker.wrong(f"{path}[{key!r}]", value, "a tensor with data belongs")
+            return
     if isinstance(live, Mapping) and live:
         checker.like(live, entry, path)
         return

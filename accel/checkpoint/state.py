@@ -52,6 +52,7 @@ from accel.checkpoint._objects import read_object
 from accel.checkpoint._paths import as_path
 from accel.checkpoint._reshard import resolve
 from accel.checkpoint._saving import GRADS
+from accel.checkpoint._screening import listed, missing_objects, screen
 from accel.checkpoint._sharded import check_layout
 from accel.checkpoint._values import check_counter, check_gradients, check_rng, check_values
 from accel.checkpoint._writer import PlannedFile, write_files
@@ -293,12 +294,9 @@ def _verify(path: Path, objects: dict[str, Any], rank: int, world_size: int) -> 
     """Read and check everything this rank needs from ``path``; change nothing."""
     manifest = read_manifest(path)
     saved = list(manifest["objects"])
-    missing = [name for name in objects if name not in saved]
-    if missing:
-        raise CheckpointError(
-            f"The checkpoint at {os.fspath(path)!r} holds {saved}, not {missing}. Pass the "
-            "names the objects were saved under."
-        )
+    missing = missing_objects(path, saved, objects)
+    if missing is not None:
+        raise missing
     files = {f["name"]: f for f in manifest["files"]}
     scaler = scope().grad_scaler
     saved_world = manifest["world_size"]
@@ -516,7 +514,12 @@ def load_state(
         )
     skipped: list[str] = []
     plan: _Plan | None = None
-    for name in names:
+    # candidates that cannot load are found with one collective, not one each
+    screened = screen(names, list(objects), _describe) if not explicit and len(names) > 1 else {}
+    for index, name in enumerate(names):
+        if index in screened:
+            skipped.append(screened[index])
+            continue
         error: str | None = None
         try:
             plan = _verify(Path(name), objects, st.rank, st.world_size)
@@ -532,12 +535,12 @@ def load_state(
     if plan is None:
         raise CheckpointError(
             f"No checkpoint under {where!r} can be loaded; each failed verification: "
-            + "; ".join(skipped)
+            + listed(skipped)
         )
     if skipped:
         warnings.warn(
             f"load_state({where!r}) skipped checkpoints that failed verification "
-            f"({'; '.join(skipped)}) and loaded the older {os.fspath(plan.info.path)!r} instead.",
+            f"({listed(skipped)}) and loaded the older {os.fspath(plan.info.path)!r} instead.",
             stacklevel=2,
         )
     error = None
