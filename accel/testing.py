@@ -85,6 +85,10 @@ def _worker(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        # every rank's connections are up before any may leave: a rank whose function makes
+        # no collective would otherwise close its side while a peer is still in gloo's
+        # connectFullMesh ("Connection closed by peer")
+        dist.barrier()
         try:
             with distributed(**options):
                 value = function(*args)

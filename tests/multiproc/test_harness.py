@@ -98,3 +98,15 @@ def test_workers_see_the_callers_current_environment(monkeypatch: pytest.MonkeyP
     assert run_distributed(_read_debug_flag, world_size=2) == [False, False]
     monkeypatch.setenv("ACCEL_DEBUG", "1")  # set after the fork server started
     assert run_distributed(_read_debug_flag, world_size=2) == [True, True]
+
+
+def _returns_at_once() -> int:
+    return accel.state().rank
+
+
+@pytest.mark.slow  # 25 runs
+def test_ranks_that_return_at_once_do_not_break_a_peer_still_connecting() -> None:
+    # A rank whose function makes no collective used to leave (destroying its group) while a
+    # peer was still in gloo's connectFullMesh: "Connection closed by peer" (~1 run in 30).
+    for _ in range(25):
+        assert run_distributed(_returns_at_once, world_size=3) == [0, 1, 2]
