@@ -72,10 +72,12 @@ def test_doc_blocks_run(tmp_path: pathlib.Path) -> None:
 
     launched = _run([sys.executable, "-m", "accel.launch", "--nproc-per-node", "2", "--cpu",
                      str(runner), *files["launch"]], tmp_path)
-    perplexities = re.findall(r"^epoch (\d): perplexity (\d+\.\d+)$", launched, re.MULTILINE)
+    # two ranks share stdout: print() writes a line and its newline separately, so another
+    # rank's output may come between them (match the text, not the line ends)
+    perplexities = re.findall(r"epoch (\d): perplexity (\d+\.\d+)", launched)
     assert [epoch for epoch, _ in perplexities] == ["0", "1", "2"], launched[-3000:]
     assert float(perplexities[-1][1]) < float(perplexities[0][1])  # the loop learns
-    assert launched.count("finished at step 12\n") == 1, launched[-3000:]
+    assert launched.count("finished at step 12") == 1, launched[-3000:]
     assert (tmp_path / "gpt2-run" / "checkpoint_12").is_dir()
     assert sorted(p.name for p in (tmp_path / "lora-adapter").iterdir()) == [
         "README.md", "adapter_config.json", "adapter_model.safetensors"]
