@@ -263,12 +263,14 @@ def _read_sampler(path: Path, file: str, name: str) -> int:
         ) from None
     fields = loaded.__dict__.get("_state") if isinstance(loaded, _StandIn) else None
     epoch = fields.get("epoch") if isinstance(fields, dict) else None
-    if getattr(loaded, "qualname", None) != _SAMPLER_CLASS or not isinstance(epoch, int):
+    if getattr(loaded, "qualname", None) != _SAMPLER_CLASS or not (
+        isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0
+    ):
         raise CheckpointError(
             f"{os.fspath(where)!r} (the sampler of {name}=) does not hold an Accelerate "
-            f"{_SAMPLER_CLASS} with an integer epoch (got {type(loaded).__name__} "
-            f"{getattr(loaded, 'qualname', '')!r}). Leave {name}= out and resume it with "
-            "`accel.skip_first_batches(loader, n, epoch=e)`."
+            f"{_SAMPLER_CLASS} with an integer epoch >= 0 (got {type(loaded).__name__} "
+            f"{getattr(loaded, 'qualname', '')!r}, epoch {epoch!r:.40}). Leave {name}= out and "
+            "resume it with `accel.skip_first_batches(loader, n, epoch=e)`."
         )
     return epoch
 

@@ -202,7 +202,8 @@ def _check_entry(path: str | os.PathLike[str], name: str, info: object) -> None:
     """
     if not isinstance(info, dict):
         raise _corrupt(path, f"the header entry of tensor {name!r} is {info!r:.80}")
-    dtype = _NAMES.get(info.get("dtype"))  # type: ignore[arg-type]
+    name_of = info.get("dtype")
+    dtype = _NAMES.get(name_of) if isinstance(name_of, str) else None
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if dtype is None:
         raise _corrupt(path, f"tensor {name!r} has the unknown dtype {info.get('dtype')!r:.40}")

@@ -335,6 +335,8 @@ def check_legacy(file: IO[bytes], where: str, refuse: Callable[[str], Checkpoint
     del where
     fd = file.fileno()
     size = os.fstat(fd).st_size
+    if size == 0:  # an empty file, or one that states no size (/proc): nothing to check
+        raise refuse("is empty (or states no size, as /proc files do)")
     reader = _Bounded(fd, 0, size)
     found: dict[str, int] = {}
     for _ in range(5):

@@ -250,6 +250,24 @@ def _choices(checker: _Checker, target: Any, saved: Mapping[str, Any]) -> None:
                     checker.wrong(f"[{key!r}]", saved[key], f"one of {list(allowed)} belongs")
 
 
+def _own_attributes(
+    checker: _Checker, target: Any, live: Mapping[str, Any], saved: Mapping[str, Any]
+) -> None:
+    """A scheduler's ``load_state_dict`` sets every saved key as an attribute: a key naming
+    one of its methods or its own wiring (``step``, ``optimizer``), which its state dict
+    leaves out, would replace it; ``lr_lambdas`` must match the live functions one to one."""
+    for key in saved:
+        if key in live or not isinstance(key, str):
+            continue
+        if key.startswith("__") or key in vars(target) or hasattr(type(target), key):
+            checker.wrong(f"[{key!r}]", saved[key], "nothing belongs (it would replace the "
+                          f"{type(target).__name__}'s own {key!r})")
+    lambdas, own = saved.get("lr_lambdas"), live.get("lr_lambdas")
+    if isinstance(own, list) and (not isinstance(lambdas, list) or len(lambdas) != len(own)
+                                  or not all(f is None or isinstance(f, Mapping) for f in lambdas)):
+        checker.wrong("['lr_lambdas']", lambdas, f"a list of {len(own)} function states belongs")
+
+
 def _raise(name: str, problems: list[str], what: str) -> None:
     if problems:
         more = len(problems) - _SHOWN
@@ -288,9 +306,13 @@ def check_values(name: str, target: Any, saved: Any) -> None:
         if not isinstance(saved, Mapping):
             checker.wrong("", saved, f"a {type(target).__name__} state dict belongs")
         else:
-            checker.like(target.state_dict(), saved, "")
+            live = target.state_dict()
+            checker.like(live, saved, "")
             # accel's PreparedScheduler holds the user's scheduler
             _choices(checker, getattr(target, "scheduler", target), saved)
+            inner = getattr(target, "scheduler", target)
+            if isinstance(inner, LRScheduler | ReduceLROnPlateau):  # they __dict__.update()
+                _own_attributes(checker, inner, live, saved)
     _raise(name, checker.problems, f"the {type(target).__name__} passed as {name}=")
 
 

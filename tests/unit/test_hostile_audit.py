@@ -611,3 +611,94 @@ def test_save_model_never_moves_another_users_files_into_the_model_directory(
     accel.save_model(nn.Linear(4, 4), out)
     assert not (out / "modeling_evil.py").exists()
     assert (planted / "modeling_evil.py").exists()
+
+
+# -- values restored at apply time ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda body: body["state"].__setitem__("optimizer", 5), "own 'optimizer'"),
+        (lambda body: body["state"].__setitem__("step", 1), "own 'step'"),
+        (lambda body: body["state"].__setitem__("__class__", "x"), "own '__class__'"),
+    ],
+    ids=["optimizer", "step-method", "dunder"],
+)
+def test_scheduler_keys_that_would_replace_its_own_attributes_are_refused(
+    tmp_path: Path, change: Any, match: str
+) -> None:
+    """A scheduler's load_state_dict is ``__dict__.update(state)``: ``"optimizer": 5`` made
+    the next ``scheduler.step()`` fail, ``"step": 1`` replaced the method."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    ckpt = accel.save_state(tmp_path / "ckpt", model=model, scheduler=sched)
+    _rewrite(ckpt, "scheduler.json", change)
+    with pytest.raises(CheckpointError, match=match):
+        accel.load_state(ckpt, model=model, scheduler=sched)
+    assert sched.optimizer is opt
+    sched.step()
+
+
+def test_lr_lambdas_of_another_length_are_refused(tmp_path: Path) -> None:
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5)
+    ckpt = accel.save_state(tmp_path / "ckpt", scheduler=sched)
+    _rewrite(ckpt, "scheduler.json",
+             lambda body: body["state"].__setitem__("lr_lambdas", [None, None, None]))
+    with pytest.raises(CheckpointError, match="a list of 1 function states"):
+        accel.load_state(ckpt, scheduler=sched)
+
+
+def _sampler_checkpoint(folder: Path, epoch: Any) -> Path:
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    sampler = data_loader.SeedableRandomSampler(list(range(8)))
+    sampler.epoch = epoch
+    folder.mkdir()
+    torch.save(sampler, folder / "sampler.bin")
+    write_safetensors(folder / "model.safetensors", nn.Linear(4, 4).state_dict())
+    return folder
+
+
+@pytest.mark.parametrize("epoch", [True, -5, 2.5])
+def test_a_sampler_epoch_no_loader_takes_is_refused_before_anything_changes(
+    tmp_path: Path, epoch: Any
+) -> None:
+    from torch.utils.data import DataLoader
+
+    folder = _sampler_checkpoint(tmp_path / "acc", epoch)
+    model = nn.Linear(4, 4)
+    before = model.weight.detach().clone()
+    with accel.distributed():
+        loader = accel.prepare_data_loader(DataLoader(list(range(16)), batch_size=2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(CheckpointError, match="integer epoch >= 0"):
+                accel.load_state(folder, model=model, train_loader=loader)
+    assert torch.equal(model.weight.detach(), before)
+
+
+# -- headers and files that state no size ----------------------------------------------------
+
+
+def test_a_header_dtype_that_is_no_name_is_a_checkpoint_error(tmp_path: Path) -> None:
+    header = json.dumps({"weight": {"dtype": ["F32"], "shape": [4], "data_offsets": [0, 16]}})
+    data = header.encode() + b" " * (-len(header) % 8)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(data)) + data + bytes(16))
+    with pytest.raises(CheckpointError, match="unknown dtype"):
+        accel.load(path)
+    with pytest.raises(CheckpointError, match="unknown dtype"):
+        accel.load_checkpoint_in_model(nn.Linear(4, 4), path)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+def test_a_torch_file_that_states_no_size_is_refused(tmp_path: Path) -> None:
+    """A link to a /proc file (size 0, content on read) was read by torch unchecked."""
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    (folder / "pytorch_model.bin").symlink_to("/proc/self/environ")
+    with pytest.raises(CheckpointError, match="states no size"):
+        accel.load_checkpoint_in_model(nn.Linear(4, 4), folder)
