@@ -313,6 +313,11 @@ def check_values(name: str, target: Any, saved: Any) -> None:
             inner = getattr(target, "scheduler", target)
             if isinstance(inner, LRScheduler | ReduceLROnPlateau):  # they __dict__.update()
                 _own_attributes(checker, inner, live, saved)
+            else:  # the GradScaler reads each of its keys
+                for key in live:
+                    if key not in saved:
+                        checker.wrong(f"[{key!r}]", None, f"a {type(live[key]).__name__} "
+                                      "belongs (the GradScaler reads it)")
     _raise(name, checker.problems, f"the {type(target).__name__} passed as {name}=")
 
 

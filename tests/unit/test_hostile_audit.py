@@ -702,3 +702,16 @@ def test_a_torch_file_that_states_no_size_is_refused(tmp_path: Path) -> None:
     (folder / "pytorch_model.bin").symlink_to("/proc/self/environ")
     with pytest.raises(CheckpointError, match="states no size"):
         accel.load_checkpoint_in_model(nn.Linear(4, 4), folder)
+
+
+def test_a_grad_scaler_state_lacking_a_key_is_refused_before_anything_changes() -> None:
+    """GradScaler.load_state_dict reads every key (KeyError after the other objects were
+    restored); the check that runs before any change now names the missing one."""
+    from accel.checkpoint._values import check_values
+
+    scaler = torch.amp.GradScaler("cpu")
+    state = scaler.state_dict()
+    check_values("grad_scaler", scaler, state)
+    del state["scale"]
+    with pytest.raises(CheckpointError, match="'scale'"):
+        check_values("grad_scaler", scaler, state)
