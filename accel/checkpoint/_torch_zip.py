@@ -45,7 +45,7 @@ from accel.checkpoint._safe_io import open_regular
 from accel.checkpoint._torch_pickle import check_legacy, inspect
 from accel.errors import CheckpointError
 
-__all__ = ["check_torch_zip", "is_zip", "opened_torch_file"]
+__all__ = ["MAX_MEMBERS", "check_torch_zip", "is_zip", "opened_torch_file"]
 
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header, before name and extra
 _LOCAL_MAGIC = b"PK\x03\x04"
@@ -53,6 +53,12 @@ _ENCRYPTED = 0x1
 _DESCRIPTOR = 0x8  # sizes and CRC follow the data; the local header may hold zeros
 _UTF8 = 0x800
 _NAME_GUESS = 226  # bytes read after a local header at once: its name, mostly
+_END = struct.Struct("<4sHHHHIIH")  # the end of central directory record, before its comment
+_END_MAGIC = b"PK\x05\x06"
+_TAIL = (1 << 16) + _END.size  # where zipfile looks for that record: a comment is < 64 KiB
+#: The most members a torch zip may have (a tensor storage each, and a few records): reading
+#: a directory costs about 50 microseconds a member, so 10**6 of them would take a minute.
+MAX_MEMBERS = 1 << 18
 
 
 def _refuse(where: str, what: str) -> CheckpointError:
@@ -121,6 +127,28 @@ def _refuse_pickle(where: str, part: str, what: str) -> CheckpointError:
     return _refuse(where, f"{part} {what}")
 
 
+def _member_count(file: IO[bytes]) -> int | None:
+    """How many members the zip's end record lists, found as :mod:`zipfile` finds it (the
+    record ending the file, else the last one in the final 64 KiB; its zip64 twin just before
+    it), without reading the directory; ``None`` when there is none (``zipfile`` says why)."""
+    size = file.seek(0, os.SEEK_END)
+    tail = _read_at(file, max(0, size - _END.size), min(size, _END.size))
+    at = len(tail) - _END.size
+    if not (at >= 0 and tail[:4] == _END_MAGIC and tail[-2:] == b"\0\0"):  # a comment
+        tail = _read_at(file, max(0, size - _TAIL), min(size, _TAIL))
+        at = tail.rfind(_END_MAGIC)
+        if at < 0 or len(tail) - at < _END.size:
+            return None
+    count: int = _END.unpack_from(tail, at)[4]
+    if count == 0xFFFF:  # zip64: the locator (20 bytes) and the record (56) precede it
+        start = size - len(tail) + at - 20 - 56
+        record = _read_at(file, start, 56) if start >= 0 else b""
+        if len(record) < 56 or record[:4] != b"PK\x06\x06":
+            return None
+        count = struct.unpack_from("<Q", record, 32)[0]
+    return count
+
+
 def check_torch_zip(file: IO[bytes], where: str) -> None:
     """Refuse a torch zip file that is compressed, inconsistent or declares other sizes.
 
@@ -128,10 +156,18 @@ def check_torch_zip(file: IO[bytes], where: str) -> None:
     Reads the zip directory, the local headers and ``data.pkl``; decompresses nothing.
 
     Raises:
-        CheckpointError: not a zip torch can read, a member compressed, encrypted, out of
-            the file, overlapping another or disagreeing with its local header, a storage
-            missing or not of the size ``data.pkl`` declares (names the member).
+        CheckpointError: not a zip torch can read, more than :data:`MAX_MEMBERS` members,
+            a member compressed, encrypted, out of the file, overlapping another or
+            disagreeing with its local header, a storage missing or not of the size
+            ``data.pkl`` declares (names the member).
     """
+    count = _member_count(file)
+    if count is not None and count > MAX_MEMBERS:
+        raise _refuse(
+            where, f"its zip directory lists {count} members, more than the {MAX_MEMBERS} "
+            "accel reads (torch.save writes one per tensor storage; save larger states as "
+            "safetensors shards)"
+        )
     try:
         with zipfile.ZipFile(file) as archive:
             infos, directory = archive.infolist(), archive.start_dir
