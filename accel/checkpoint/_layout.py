@@ -76,6 +76,7 @@ def _schema_error(path: Path, what: str) -> CheckpointError:
 def _check_files(path: Path, files: object) -> None:
     if not isinstance(files, list):
         raise _schema_error(path, f"'files' is {files!r:.60}, not a list")
+    seen: set[str] = set()
     for entry in files:
         if not isinstance(entry, dict):
             raise _schema_error(path, f"a 'files' entry is {entry!r:.60}, not an object")
@@ -87,6 +88,9 @@ def _check_files(path: Path, files: object) -> None:
         for key, value in (("size", size), ("crc32", crc), ("rank", rank)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise _schema_error(path, f"entry {name!r} has {key}={value!r:.40}")
+        if name in seen or name == MANIFEST:
+            raise _schema_error(path, f"the entry {name!r} is listed twice (or is the manifest)")
+        seen.add(name)
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

@@ -748,3 +748,13 @@ def test_a_torch_zip_of_a_million_members_is_refused_from_its_end_record(tmp_pat
     _zip_of_many(path, MAX_MEMBERS + 1)
     with pytest.raises(CheckpointError, match=f"lists {MAX_MEMBERS + 2} members"):
         accel.load(path)
+
+
+@pytest.mark.parametrize("extra", [{"name": "model.json"}, {"name": "manifest.json"}])
+def test_a_manifest_listing_a_file_twice_is_refused(tmp_path: Path, extra: dict[str, Any]) -> None:
+    ckpt, model, _ = _saved(tmp_path)
+    manifest = json.loads((ckpt / "manifest.json").read_bytes())
+    manifest["files"].append({"size": 5, "crc32": 0, "rank": 0, **extra})
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="listed twice"):
+        accel.load_state(ckpt, model=model)
