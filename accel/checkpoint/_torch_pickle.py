@@ -294,6 +294,11 @@ class _Bounded(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
+    def peek(self, size: int = 0) -> bytes:
+        """Bytes ahead, without moving (the unpickler reads ahead in chunks with it)."""
+        want = min(max(size, 1), _LINE, max(self.size - self.position, 0))
+        return os.pread(self.fd, want, self.position) if want else b""
+
     def read(self, size: int | None = -1) -> bytes:
         left = max(self.size - self.position, 0)
         want = left if size is None or size < 0 else min(size, left)
