@@ -38,6 +38,7 @@ ROOT_LOCK = ".accel-checkpoints.lock"
 _STEP_DIR = re.compile(r"^checkpoint_([0-9]+)\Z")  # ASCII digits, no "\n" at the end
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")  # fullmatch: no "\n" at the end
 _RANK_FILE = "rng_rank0.json"  # every save_state writes it: its presence marks a checkpoint
+_SHOWN = 10  # skipped checkpoints named in one warning; the others are counted
 
 
 def check_step(step: object) -> int | None:
@@ -222,13 +223,20 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         PosixPath('ckpt/checkpoint_300')
     """
     found, _ = candidates(as_path(root, "accel.latest_checkpoint", "root"))
+    skipped: list[str] = []
+    newest = None
     for path in found:
-        if is_complete(path):
-            return path
-        problem = manifest_problem(path)
+        problem = manifest_problem(path)  # one read each (no manifest: a killed save)
+        if problem is None and os.path.lexists(path / MANIFEST):
+            newest = path
+            break
         if problem is not None:
-            warnings.warn(
-                f"latest_checkpoint skips {os.fspath(path)!r}: {problem} It is left in place.",
-                stacklevel=2,
-            )
-    return None
+            skipped.append(f"{os.fspath(path)!r}: {problem}")
+    if skipped:
+        more = f" (and {len(skipped) - _SHOWN} more)" if len(skipped) > _SHOWN else ""
+        warnings.warn(
+            f"latest_checkpoint skips {'; '.join(skipped[:_SHOWN])}{more}. They are left in "
+            "place.",
+            stacklevel=2,
+        )
+    return newest

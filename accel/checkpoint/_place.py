@@ -14,7 +14,13 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from accel.checkpoint._atomic import recover, remove_dir, temp_sibling, writer_lock
-from accel.checkpoint._layout import foreign_entries, is_complete, lock_path, manifest_problem
+from accel.checkpoint._layout import (
+    MANIFEST,
+    foreign_entries,
+    is_complete,
+    lock_path,
+    manifest_problem,
+)
 from accel.errors import CheckpointError
 
 __all__ = ["lock", "prepare_target", "recover_root", "rotate"]
@@ -82,17 +88,23 @@ def rotate(root: Path, total_limit: int, keep: Path) -> None:
     is kept, with a warning.
     """
     complete = []
+    refused: list[str] = []
     for name in os.listdir(root):
         if not (m := _STEP_DIR.match(name)):
             continue
-        if is_complete(root / name):
+        problem = manifest_problem(root / name)  # one read each (no manifest: incomplete)
+        if problem is not None:
+            refused.append(f"{os.fspath(root / name)!r}: {problem}")
+        elif os.path.lexists(root / name / MANIFEST):
             complete.append((int(m.group(1)), root / name))
-        elif (problem := manifest_problem(root / name)) is not None:
-            warnings.warn(
-                f"save_state(total_limit={total_limit}) keeps {os.fspath(root / name)!r} and "
-                f"does not count it: {problem} Delete it yourself once you no longer need it.",
-                stacklevel=3,
-            )
+    if refused:
+        more = f" (and {len(refused) - 10} more)" if len(refused) > 10 else ""
+        warnings.warn(
+            f"save_state(total_limit={total_limit}) keeps and does not count "
+            f"{'; '.join(sorted(refused)[:10])}{more}. Delete them yourself once you no longer "
+            "need them.",
+            stacklevel=3,
+        )
     complete.sort()
     for _, path in complete[: max(0, len(complete) - total_limit)]:
         if path == keep:

@@ -276,7 +276,9 @@ def load_json(
     """
     if len(data) > MAX_JSON_BYTES:
         raise error(f"it is {len(data)} bytes, more than the {MAX_JSON_BYTES} accel reads")
-    depth = json_depth(data)
+    # fewer brackets than the bound cannot nest deeper than it: no scan (most files)
+    few = data.count(b"[") + data.count(b"{") <= MAX_JSON_DEPTH
+    depth = 0 if few else json_depth(data)
     if depth > MAX_JSON_DEPTH:
         raise error(
             f"its arrays and objects nest more than {MAX_JSON_DEPTH} levels deep "

@@ -758,3 +758,21 @@ def test_a_manifest_listing_a_file_twice_is_refused(tmp_path: Path, extra: dict[
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="listed twice"):
         accel.load_state(ckpt, model=model)
+
+
+def test_many_refused_checkpoints_give_one_warning(tmp_path: Path) -> None:
+    """latest_checkpoint and the rotation read each manifest once and warn once, naming ten
+    and counting the rest (100,000 planted manifests gave 100,000 warnings)."""
+    root = tmp_path / "root"
+    good = accel.save_state(root, step=1, model=nn.Linear(4, 4))
+    for step in range(10, 40):
+        (root / f"checkpoint_{step}").mkdir()
+        (root / f"checkpoint_{step}" / "manifest.json").write_text("{broken")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert accel.latest_checkpoint(root) == good
+        accel.save_state(root, step=50, total_limit=1, model=nn.Linear(4, 4))
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    assert all("(and 20 more)" in m for m in messages), messages
+    assert not good.exists() and (root / "checkpoint_10").exists()
