@@ -32,7 +32,7 @@ import torch
 
 from accel.errors import CheckpointError
 
-__all__ = ["MAX_LOADED_NODES", "Inspector", "check_legacy", "check_loaded", "storage_sizes"]
+__all__ = ["MAX_LOADED_NODES", "Inspector", "check_legacy", "check_loaded", "inspect"]
 
 _MAX_GLOBALS = 4096  # distinct globals a pickle may name (torch's use a handful)
 _MAX_NUMEL = 1 << 62
@@ -61,7 +61,7 @@ _COPIERS = {("builtins", "set"), ("builtins", "bytearray"), ("collections", "Cou
             ("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "complex")}
 
 
-def storage_sizes() -> dict[tuple[str, str], int]:
+def _storage_sizes() -> dict[tuple[str, str], int]:
     """Element size of each storage type a weights-only torch file may name: the legacy
     typed storages (also as ``torch.cuda``'s, in files older than torch 2) and the untyped
     one (one byte: its element count is its size)."""
@@ -79,7 +79,7 @@ def storage_sizes() -> dict[tuple[str, str], int]:
     return sizes
 
 
-_SIZES = storage_sizes()
+_SIZES = _storage_sizes()
 
 
 def _is_tensor_class(where: tuple[str, str]) -> bool:
