@@ -10,10 +10,13 @@ Example:
 from __future__ import annotations
 
 import datetime
+import importlib.machinery
+import importlib.util
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -28,8 +31,8 @@ from accel.errors import CollectiveTimeoutError, ConfigError, RemoteError
 from accel.launch._script_result import ScriptResult
 from accel.launch._script_run import RunningScript, run_script, start_script
 
-__all__ = ["RunningScript", "ScriptResult", "fake_state", "run_distributed", "run_script",
-           "start_script"]
+__all__ = ["RunningScript", "ScriptResult", "fake_state", "preload", "run_distributed",
+           "run_script", "start_script"]
 
 R = TypeVar("R")
 
@@ -119,12 +122,72 @@ def _report_failure(results: Any, rank: int, exc: BaseException) -> None:
     results.put((rank, False, (type(exc).__name__, str(exc), text, payload)))
 
 
+_EXTRA_PRELOAD: list[str] = []  # preload()'s modules
+_SERVER_USED = [False]  # whether a run has asked for the server in this process
+
+
+def preload(*modules: str) -> None:
+    """Have the warm server also import ``modules``, once, before it forks any process.
+
+    The processes of :func:`run_distributed`, :func:`run_script` and :func:`start_script`
+    fork from a server that has torch and accel imported. A library that the workers import
+    themselves (``transformers``, a model package) costs its import time in every process;
+    preloaded, it costs it once. Call it before the first run of the process, e.g. at the top
+    of ``conftest.py``.
+
+    Raises:
+        ConfigError: a module that cannot be found, or the server is in use already.
+
+    Example:
+        >>> preload("transformers", "transformers.models.gpt2.modeling_gpt2")
+    """
+    for name in modules:
+        if not isinstance(name, str) or not name or not _importable(name):
+            raise ConfigError(
+                f"preload({name!r}): no such module. Give importable module names, e.g. "
+                "`preload('transformers')`."
+            )
+    if _SERVER_USED[0]:
+        raise ConfigError(
+            f"preload{modules!r} comes after the warm server started in this process, so it "
+            "would not import them. Call preload() before the first run_distributed / "
+            "run_script (e.g. at the top of conftest.py)."
+        )
+    _EXTRA_PRELOAD.extend(m for m in modules if m not in _EXTRA_PRELOAD)
+
+
+def _importable(name: str) -> bool:
+    """Whether module ``name`` can be found on ``sys.path``, importing nothing.
+
+    ``importlib.util.find_spec`` imports a dotted name's parent packages; here each part is
+    looked up in its parent's directories instead, so checking ``transformers.models.gpt2``
+    does not import transformers into the calling process.
+    """
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return False
+    path: list[str] | None = None
+    for depth in range(1, len(parts) + 1):
+        full = ".".join(parts[:depth])
+        module = sys.modules.get(full)
+        if module is not None:  # imported already
+            path = list(getattr(module, "__path__", []))
+            continue
+        spec = importlib.machinery.PathFinder.find_spec(full, path)
+        if spec is None:
+            return depth == 1 and importlib.util.find_spec(full) is not None  # a builtin
+        path = list(spec.submodule_search_locations or [])
+    return True
+
+
 def _context() -> Any:
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         # Workers fork from a server that has torch and accel imported already: ~0.1 s a
-        # process instead of ~2 s for a fresh interpreter.
-        ctx.set_forkserver_preload(_PRELOAD)
+        # process instead of ~2 s for a fresh interpreter. accel._warm_server stays last: it
+        # freezes what the others imported.
+        ctx.set_forkserver_preload([*_PRELOAD[:-1], *_EXTRA_PRELOAD, _PRELOAD[-1]])
+        _SERVER_USED[0] = True
         return ctx
     return mp.get_context("spawn")
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from accel.errors import CollectiveTimeoutError, ConfigError, LaunchError
-from accel.testing import ScriptResult, run_script, start_script
+from accel.testing import ScriptResult, preload, run_script, start_script
 
 # What a launched worker sees: its variables (those the launcher added), its place, its state.
 REPORT = '''
@@ -313,3 +313,31 @@ def test_same_variables_and_state_as_accel_launch(tmp_path: Path) -> None:
         assert sorted(ours_added) == sorted(theirs_added)
         for key in sorted(set(theirs_added) - _PER_RUN):
             assert ours_added[key] == theirs_added[key], key
+
+
+PRELOADING = '''
+import sys
+from accel.testing import preload, run_distributed
+
+def loaded():
+    return "xml.dom.minidom" in sys.modules
+
+if __name__ == "__main__":
+    preload("xml.dom.minidom")
+    print(run_distributed(loaded, world_size=2))
+    try:
+        preload("csv")
+    except Exception as error:
+        print(type(error).__name__, error)
+'''
+
+
+@pytest.mark.slow  # the script starts a warm server of its own
+def test_preload_adds_modules_to_the_warm_server_before_it_starts(tmp_path: Path) -> None:
+    for missing in ("no_such_module_here", "no_such_package_here.sub"):
+        with pytest.raises(ConfigError, match=missing):
+            preload(missing)
+    done = run_script(_write(tmp_path, PRELOADING), world_size=1, launch=False, timeout=240)
+    first, second = done.output.splitlines()
+    assert first == "[True, True]"  # imported by the server, before the fork
+    assert second.startswith("ConfigError preload('csv',) comes after the warm server started")
