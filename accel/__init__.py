@@ -1,7 +1,12 @@
 """accel: run any PyTorch training script on one CPU, one GPU, many GPUs or many machines.
 
-No central object: ``with accel.distributed(...):`` sets an immutable process state that plain
+No central object: ``with accel.distributed(...):`` sets the process state that plain
 functions (``accel.prepare``, ``accel.backward``, ``accel.gather``...) read.
+
+The top level holds the functions a training script calls, :class:`AccelError` and the errors
+scripts catch; every other error is in :mod:`accel.errors`. The subpackages
+(``accel.big_model``, ``accel.checkpoint``, ``accel.launch``, ``accel.tools``,
+``accel.trackers``) and ``accel.testing`` are attributes of the package.
 
 Importing accel is cheap: the submodules (and torch) load on first use of a name.
 """
@@ -12,34 +17,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from accel.errors import (
-    AbortedError,
     AccelError,
-    ArgumentTypeError,
-    CheckpointArgumentError,
-    CheckpointCancelledError,
     CheckpointError,
-    CollectiveArgumentError,
-    CollectiveMismatchError,
     CollectiveTimeoutError,
-    CollectiveTypeError,
     ConfigError,
-    ConfigTypeError,
-    DataLoaderTypeError,
-    DeviceMapError,
-    GatedCollectiveError,
     LaunchError,
-    LogValueError,
-    MainProcessFirstError,
-    NoExecutableBatchSizeError,
-    NotDistributedError,
-    NotPicklableError,
-    OtherRankFailedError,
     RemoteError,
-    SelfTestError,
-    StaleParametersError,
-    StateFrozenError,
-    TrackerUnavailableError,
-    TrackingNotActiveError,
 )
 
 __version__ = "0.1.0"
@@ -129,39 +112,23 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = [
-    "AbortedError",
     "AccelError",
-    "ArgumentTypeError",
-    "CheckpointArgumentError",
-    "CheckpointCancelledError",
     "CheckpointError",
-    "CollectiveArgumentError",
-    "CollectiveMismatchError",
     "CollectiveTimeoutError",
-    "CollectiveTypeError",
     "ConfigError",
-    "ConfigTypeError",
-    "DataLoaderTypeError",
-    "DeviceMapError",
-    "GatedCollectiveError",
     "LaunchError",
-    "LogValueError",
-    "MainProcessFirstError",
-    "NoExecutableBatchSizeError",
-    "NotDistributedError",
-    "NotPicklableError",
-    "OtherRankFailedError",
     "RemoteError",
-    "SelfTestError",
-    "StaleParametersError",
-    "StateFrozenError",
-    "TrackerUnavailableError",
-    "TrackingNotActiveError",
     "__version__",
     *_LAZY,
 ]
 
 if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diffs small)
+    from accel import big_model as big_model
+    from accel import checkpoint as checkpoint
+    from accel import launch as launch
+    from accel import testing as testing
+    from accel import tools as tools
+    from accel import trackers as trackers
     from accel._state import ProcessState as ProcessState
     from accel._state import state as state
     from accel.accumulation import accumulate as accumulate
@@ -237,11 +204,13 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.uneven import join_uneven_inputs as join_uneven_inputs
 
 
-_SUBMODULES = ("testing", "checkpoint", "launch", "trackers")
+# Reached as attributes (`accel.big_model.dispatch_model` after a plain `import accel`),
+# imported on first access. Every subpackage is listed (tests/unit/test_public_api.py checks).
+_SUBMODULES = ("big_model", "checkpoint", "launch", "testing", "tools", "trackers")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:  # `accel.testing.run_distributed` after a plain `import accel`
+    if name in _SUBMODULES:
         return importlib.import_module(f"accel.{name}")
     module_name = _LAZY.get(name)
     if module_name is None:

@@ -13,8 +13,7 @@ applies it per epoch inside the loaders of :mod:`accel.data`. The rules are Acce
 - ``drop_last`` drops the last round when it is not complete.
 
 Every generator reports the last round as a :class:`~accel._rounds.FinalRound` so that
-``gather_for_metrics`` can drop exactly the padding. The names of :mod:`accel._rounds` and
-:mod:`accel._stream_shard` (and ``Reseeder``) stay importable from here.
+``gather_for_metrics`` can drop exactly the padding.
 """
 
 from __future__ import annotations
@@ -26,22 +25,10 @@ import attrs
 from torch.utils.data import BatchSampler, Sampler
 
 from accel._epochs import Reseeder
-from accel._rounds import FinalRound, Recorder, dispatch_slice_size, grow, skip_first, split_counts
-from accel._stream_shard import StreamShard, shard_stream, stream_final_round
+from accel._rounds import FinalRound, Recorder, grow, skip_first, split_counts
 from accel.errors import ConfigError
 
-__all__ = [
-    "FinalRound",
-    "Reseeder",
-    "ShardSpec",
-    "ShardedBatchSampler",
-    "StreamShard",
-    "dispatch_slice_size",
-    "shard_stream",
-    "skip_first",
-    "split_counts",
-    "stream_final_round",
-]
+__all__ = ["FinalRound", "ShardSpec", "ShardedBatchSampler"]
 
 Batch = list[Any]
 

@@ -22,10 +22,10 @@ from accel._tree import first_non_tensor, map_tensors, tensor_leaves
 from accel.errors import (
     CollectiveArgumentError,
     CollectiveMismatchError,
+    CollectiveTypeError,
     GatedCollectiveError,
     NotDistributedError,
 )
-from accel.errors import CollectiveTypeError as CollectiveTypeError
 
 __all__ = [
     "broadcast",
@@ -43,8 +43,6 @@ __all__ = [
 T = TypeVar("T")
 Reduction = Literal["sum", "mean", "max", "min"]
 _REDUCE_OPS = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
-# torch >= 2.13 renamed all_gather_into_tensor (the old name warns)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _spec(data: Any, *, shapes: bool = True) -> list[str]:
@@ -104,7 +102,7 @@ def _all_gather(world_size: int, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.reshape(1)
     tensor = tensor.contiguous()
     out = tensor.new_empty((world_size * tensor.shape[0], *tensor.shape[1:]))
-    _all_gather_single(out, tensor)
+    dist.all_gather_single(out, tensor)
     return out
 
 

@@ -18,13 +18,14 @@ import torch.distributed as dist
 
 from accel._state import current_gate, state
 from accel.collectives import gather
-from accel.errors import ArgumentTypeError, ConfigError
-from accel.errors import NoExecutableBatchSizeError as NoExecutableBatchSizeError
-from accel.errors import OtherRankFailedError as OtherRankFailedError
+from accel.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    NoExecutableBatchSizeError,
+    OtherRankFailedError,
+)
 
 __all__ = [
-    "NoExecutableBatchSizeError",
-    "OtherRankFailedError",
     "find_executable_batch_size",
     "free_memory",
     "is_out_of_memory",

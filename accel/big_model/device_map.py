@@ -13,8 +13,7 @@ One deliberate difference: when a module is split, its direct buffers are placed
 (Accelerate drops them, so its own ``check_device_map`` then refuses the map it made).
 
 The model's sizes and structure come from :mod:`accel.big_model._model_walk`; explicit maps
-are checked by :mod:`accel.big_model._explicit_map` (``check_device_map`` and
-``normalize_device`` stay importable from here).
+are checked by :mod:`accel.big_model._explicit_map`.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from accel.big_model._explicit_map import (
     Placement,
     check_device_map,
 )
-from accel.big_model._explicit_map import normalize_device as normalize_device  # re-exported
 from accel.big_model._model_walk import (
     DType,
     Item,

@@ -86,13 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(ns: argparse.Namespace) -> int:
-    from accel.launch.config import (
-        AbortedError,
-        ask_config,
-        config_path,
-        default_settings,
-        write_config,
-    )
+    from accel._config_file import config_path
+    from accel.errors import AbortedError
+    from accel.launch._toml_writer import write_config
+    from accel.launch.config import default_settings
+    from accel.launch.questionnaire import ask_config
 
     path, _ = config_path(ns.config_file)
     if ns.default:
@@ -114,8 +112,9 @@ def _config(ns: argparse.Namespace) -> int:
 
 
 def _env(ns: argparse.Namespace) -> int:
+    from accel._config_file import config_path, load_config
     from accel._env import read_launch_env
-    from accel.launch.config import config_path, load_config, resolve_settings
+    from accel.launch.config import resolve_settings
     from accel.launch.envinfo import collect_env_info, format_env_info
     from accel.launch.run import command_line_settings
 

@@ -4,10 +4,9 @@ Settings come from four layers, highest first: the command line, the ``ACCEL_*``
 the config file, then defaults. :func:`resolve_settings` merges the layers and remembers where
 each value came from (what ``accel env`` shows).
 
-The pieces live where they belong and are re-exported here: the keys, kinds and checks in
-:mod:`accel._settings`; reading the file in :mod:`accel._config_file` (below
-``accel.distributed()``, which reads it too); writing it in :mod:`accel.launch._toml_writer`;
-the questionnaire in :mod:`accel.launch.questionnaire`.
+The keys, kinds and checks are in :mod:`accel._settings`; reading the file is in
+:mod:`accel._config_file` (below ``accel.distributed()``, which reads it too); writing it in
+:mod:`accel.launch._toml_writer`; the questionnaire in :mod:`accel.launch.questionnaire`.
 """
 
 from __future__ import annotations
@@ -17,35 +16,11 @@ from typing import Literal
 
 import attrs
 
-from accel._config_file import (
-    check_consistency,
-    config_path,
-    default_config_path,
-    load_config,
-    parse_config,
-)
+from accel._config_file import check_consistency
 from accel._env import LaunchEnv
 from accel._settings import POLICY_KEYS, SETTINGS, validate_setting
-from accel.errors import AbortedError
-from accel.launch._toml_writer import dump_config, write_config
-from accel.launch.questionnaire import ask_config
 
-__all__ = [
-    "SETTINGS",
-    "AbortedError",
-    "Resolved",
-    "Source",
-    "ask_config",
-    "config_path",
-    "default_config_path",
-    "default_settings",
-    "dump_config",
-    "load_config",
-    "parse_config",
-    "resolve_settings",
-    "validate_setting",
-    "write_config",
-]
+__all__ = ["Resolved", "Source", "default_settings", "resolve_settings"]
 
 Source = Literal["command line", "environment", "config file", "default"]
 
@@ -79,7 +54,7 @@ def resolve_settings(
     Args:
         command_line: settings given as options (``None`` values are ignored).
         env: the launch environment; its ``ACCEL_*`` options form the environment layer.
-        file: the config file's settings (from :func:`load_config`).
+        file: the config file's settings (from :func:`accel._config_file.load_config`).
 
     Returns:
         Every key of :data:`SETTINGS` with its value and the layer it came from.

@@ -26,11 +26,10 @@ from accel._settings import (
     did_you_mean,
     env_variable,
 )
-from accel.errors import ConfigError
-from accel.errors import LaunchError as LaunchError
+from accel.errors import ConfigError, LaunchError
 from accel.launch.failures import describe_failure, is_peer_loss
 
-__all__ = ["LaunchError", "debug_launcher", "notebook_launcher"]
+__all__ = ["debug_launcher", "notebook_launcher"]
 
 def _attempt() -> int:
     """Which attempt of the job this worker belongs to (0, then 1 after a restart, ...)."""

@@ -20,10 +20,9 @@ import torch
 from torch import nn
 
 import accel
-from accel.errors import SelfTestError as SelfTestError
+from accel.errors import SelfTestError
 
-__all__ = ["SelfTestError", "check_checkpoint", "check_collectives", "check_training", "main",
-           "run_checks"]
+__all__ = ["check_checkpoint", "check_collectives", "check_training", "main", "run_checks"]
 
 _STEPS = 3
 _GLOBAL_BATCH = 12

@@ -30,15 +30,13 @@ from typing import Any
 import attrs
 
 from accel._state import state
-from accel.errors import ConfigError
-from accel.trackers.base import (
+from accel.errors import (
+    ConfigError,
     LogValueError,
-    RunInfo,
-    Tracker,
     TrackerUnavailableError,
     TrackingNotActiveError,
-    to_loggable,
 )
+from accel.trackers.base import RunInfo, Tracker, to_loggable
 
 __all__ = ["TrackingRun", "get_tracker", "log", "tracking"]
 

@@ -37,17 +37,12 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
-from accel.errors import LogValueError as LogValueError
-from accel.errors import TrackerUnavailableError as TrackerUnavailableError
-from accel.errors import TrackingNotActiveError as TrackingNotActiveError
+from accel.errors import LogValueError
 
 __all__ = [
     "LogValue",
-    "LogValueError",
     "RunInfo",
     "Tracker",
-    "TrackerUnavailableError",
-    "TrackingNotActiveError",
     "to_loggable",
 ]
 

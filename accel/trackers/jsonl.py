@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from accel.errors import ArgumentTypeError
-from accel.trackers.base import LogValue, LogValueError, RunInfo
+from accel.errors import ArgumentTypeError, LogValueError
+from accel.trackers.base import LogValue, RunInfo
 
 __all__ = ["JsonlTracker", "read_jsonl", "start"]
 

@@ -8,23 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from accel._config_file import config_path, default_config_path, load_config, parse_config
 from accel._env import LaunchEnv
-from accel.errors import ConfigError
-from accel.launch.config import (
-    SETTINGS,
-    AbortedError,
-    Resolved,
-    ask_config,
-    config_path,
-    default_config_path,
-    default_settings,
-    dump_config,
-    load_config,
-    parse_config,
-    resolve_settings,
-    validate_setting,
-    write_config,
-)
+from accel._settings import SETTINGS, validate_setting
+from accel.errors import AbortedError, ConfigError
+from accel.launch._toml_writer import dump_config, write_config
+from accel.launch.config import Resolved, default_settings, resolve_settings
+from accel.launch.questionnaire import ask_config
 
 
 @pytest.mark.parametrize(
@@ -225,20 +215,6 @@ def test_env_info_says_that_fp8_runs_as_bf16() -> None:
                             Path("cfg.toml"), "--config-file")
     assert bf16["notes"] == []
     assert "note:" not in format_env_info(bf16)
-
-
-def test_the_config_module_reexports_the_lower_layers() -> None:
-    import accel._config_file as file_layer
-    import accel._settings as settings_layer
-    import accel.launch._toml_writer as writer
-    import accel.launch.config as config
-    import accel.launch.questionnaire as questionnaire
-
-    assert config.parse_config is file_layer.parse_config
-    assert config.validate_setting is settings_layer.validate_setting
-    assert config.write_config is writer.write_config
-    assert config.ask_config is questionnaire.ask_config
-    assert set(config.__all__) <= set(dir(config))
 
 
 def test_a_value_the_file_cannot_hold_is_a_config_type_error() -> None:

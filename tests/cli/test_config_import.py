@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from accel._config_file import load_config
 from accel.launch.cli import main
-from accel.launch.config import load_config
 
 pytest.importorskip("yaml")
 

@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from accel.errors import ConfigError
+from accel.errors import ConfigError, LaunchError
 from accel.launch import debug_launcher, notebook_launcher
-from accel.launch.notebook import LaunchError
 from tests.cli._helpers import clean_env
 
 # What a notebook cell would hold: a training function defined in __main__ (fork: not pickled).

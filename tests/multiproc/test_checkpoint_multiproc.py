@@ -89,7 +89,7 @@ def _gated_save(root: str) -> str:
 
     try:
         save()
-    except accel.GatedCollectiveError as exc:
+    except accel.errors.GatedCollectiveError as exc:
         return str(exc)
     return "no error"
 

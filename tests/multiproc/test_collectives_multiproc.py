@@ -95,7 +95,7 @@ def _gated_body() -> dict[str, Any]:
     try:
         report()
         error = None
-    except accel.GatedCollectiveError as exc:
+    except accel.errors.GatedCollectiveError as exc:
         error = str(exc)
     elapsed = time.monotonic() - start
     # the other ranks carried on: a collective all ranks make still works afterwards
@@ -123,7 +123,7 @@ def _gated_body_uncaught() -> int:
 
 
 def test_run_distributed_reraises_the_gated_error_with_its_rank() -> None:
-    with pytest.raises(accel.GatedCollectiveError, match="wait_for_everyone") as info:
+    with pytest.raises(accel.errors.GatedCollectiveError, match="wait_for_everyone") as info:
         run_distributed(_gated_body_uncaught, world_size=2, timeout=30)
     assert "Traceback from rank 0" in str(info.value.__cause__)
 
@@ -132,7 +132,7 @@ def _debug_mismatch_body() -> str:
     st = accel.state()
     try:
         accel.gather(torch.zeros(2 + st.rank, 3))
-    except accel.CollectiveMismatchError as exc:
+    except accel.errors.CollectiveMismatchError as exc:
         return str(exc)
     return "no error"
 
@@ -151,7 +151,7 @@ def _debug_op_mismatch_body() -> str:
             accel.reduce(torch.zeros(1))
         else:
             accel.broadcast(torch.zeros(1))
-    except accel.CollectiveMismatchError as exc:
+    except accel.errors.CollectiveMismatchError as exc:
         return str(exc)
     return "no error"
 
@@ -191,7 +191,7 @@ def _main_process_first_body(tmp: str, fail: bool) -> str:
                     raise OSError("disk full")
                 marker.write_text("ready")
             return marker.read_text()
-    except accel.MainProcessFirstError as exc:
+    except accel.errors.MainProcessFirstError as exc:
         return f"released: {exc}"
     except OSError as exc:
         return f"main raised: {exc}"

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 import accel
-from accel.memory import OtherRankFailedError
+from accel.errors import OtherRankFailedError
 from accel.testing import run_distributed
 
 

@@ -103,7 +103,7 @@ def test_a_file_in_place_of_the_directory_is_refused(tmp_path: Path) -> None:
 def test_step_must_be_a_non_negative_int(tmp_path: Path, step: Any) -> None:
     with pytest.raises(CheckpointError, match=r"step=") as raised:
         accel.save_state(tmp_path, step=step, model=_model())
-    assert isinstance(raised.value, ValueError | TypeError | accel.CheckpointArgumentError)
+    assert isinstance(raised.value, ValueError | TypeError | accel.errors.CheckpointArgumentError)
     assert repr(step) in str(raised.value)
     assert not any(tmp_path.iterdir())
 

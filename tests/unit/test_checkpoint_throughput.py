@@ -164,7 +164,7 @@ def test_a_missing_directory_raises_before_writing(tmp_path: Path) -> None:
 def test_a_cancelled_write_stops_with_interrupted_error(tmp_path: Path) -> None:
     cancelled = threading.Event()
     cancelled.set()
-    with pytest.raises(accel.CheckpointCancelledError, match="cancelled") as info:
+    with pytest.raises(accel.errors.CheckpointCancelledError, match="cancelled") as info:
         write_files([plan_safetensors(tmp_path, "x.safetensors", _tensors())],
                     cancelled=cancelled)
     assert isinstance(info.value, InterruptedError)

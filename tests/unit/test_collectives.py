@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import accel
+from accel.errors import CollectiveTypeError
 from accel.testing import fake_state
 
 
@@ -36,7 +37,7 @@ def test_gather_refuses_non_tensors_and_points_to_gather_object() -> None:
 
 
 def test_reduce_rejects_unknown_reduction() -> None:
-    with pytest.raises(accel.CollectiveArgumentError, match="'avg'"):
+    with pytest.raises(accel.errors.CollectiveArgumentError, match="'avg'"):
         accel.reduce(torch.zeros(1), "avg")  # type: ignore[arg-type]
 
 
@@ -63,7 +64,7 @@ def test_split_between_processes_tensors_tuples_and_dicts() -> None:
     ) as mine:
         assert mine["x"].tolist() == [3, 4, 4]
         assert mine["names"] == ("d", "e", "e")
-    with pytest.raises(accel.CollectiveTypeError, match="split_between_processes"), fake_state(  # noqa: SIM117
+    with pytest.raises(CollectiveTypeError, match="split_between_processes"), fake_state(  # noqa: SIM117
         rank=0, world_size=2
     ):
         with accel.split_between_processes(5):  # type: ignore[arg-type]

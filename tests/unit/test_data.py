@@ -14,12 +14,11 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 from accel._dispatch import concat_rounds
 from accel._state import ProcessState, Scope, scope, set_state
 from accel.data import (
-    DataLoaderTypeError,
     PreparedDataLoader,
     prepare_data_loader,
     skip_first_batches,
 )
-from accel.errors import CheckpointError, ConfigError
+from accel.errors import CheckpointError, ConfigError, DataLoaderTypeError
 
 
 class Counting(Dataset[int]):

@@ -16,9 +16,11 @@ from torch import nn
 
 import accel
 from accel import _ddp
+from accel._config_file import parse_config
+from accel._settings import validate_setting
 from accel._state import ProcessState, Scope, set_state
 from accel.errors import ConfigError
-from accel.launch.config import dump_config, parse_config, validate_setting
+from accel.launch._toml_writer import dump_config
 
 ALL_OPTIONS: dict[str, Any] = {
     "find_unused_parameters": True,

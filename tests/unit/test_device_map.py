@@ -15,15 +15,16 @@ import torch
 from torch import nn
 
 import accel
+from accel.big_model import _model_walk
 from accel.big_model import device_map as dm
+from accel.big_model._explicit_map import check_device_map, normalize_device
 from accel.big_model.device_map import (
-    check_device_map,
     get_balanced_memory,
     infer_auto_device_map,
-    normalize_device,
     parse_max_memory,
     resolve_device_map,
 )
+from accel.errors import DeviceMapError
 
 CPU = torch.device("cpu")
 
@@ -105,7 +106,7 @@ def test_parse_max_memory_default_is_free_gpu_memory_and_ninety_percent_of_ram(
               float("inf"), True, None, [1]]
 )
 def test_parse_max_memory_refuses_bad_sizes_naming_them(value: Any) -> None:
-    with pytest.raises(accel.DeviceMapError, match=r"is not a size") as info:
+    with pytest.raises(DeviceMapError, match=r"is not a size") as info:
         parse_max_memory({"cpu": value})
     assert f"max_memory['cpu']={value!r}" in str(info.value)
     assert isinstance(info.value, ValueError)
@@ -113,21 +114,21 @@ def test_parse_max_memory_refuses_bad_sizes_naming_them(value: Any) -> None:
 
 @pytest.mark.parametrize("key", ["gpu", "cuda:x", -1, True, 1.5, None, torch.device("meta")])
 def test_parse_max_memory_refuses_bad_keys_naming_them(key: Any) -> None:
-    with pytest.raises(accel.DeviceMapError, match=r"keys are GPU indices") as info:
+    with pytest.raises(DeviceMapError, match=r"keys are GPU indices") as info:
         parse_max_memory({key: 100})
     assert f"has the key {key!r}" in str(info.value)
 
 
 @pytest.mark.parametrize("value", ["10GB", [("cpu", 10)], 5])
 def test_parse_max_memory_refuses_a_non_mapping(value: Any) -> None:
-    with pytest.raises(accel.DeviceMapError, match=r"is not a mapping") as info:
+    with pytest.raises(DeviceMapError, match=r"is not a mapping") as info:
         parse_max_memory(value)
     assert f"max_memory={value!r}" in str(info.value)
 
 
 def test_a_bad_budget_reaches_the_user_through_every_entry_point(net: Net) -> None:
     for call in (infer_auto_device_map, get_balanced_memory, accel.infer_auto_device_map):
-        with pytest.raises(accel.DeviceMapError, match=r"max_memory\['cpu'\]='12 GiBs'"):
+        with pytest.raises(DeviceMapError, match=r"max_memory\['cpu'\]='12 GiBs'"):
             call(net, max_memory={"cpu": "12 GiBs"})
 
 
@@ -146,7 +147,7 @@ def test_normalize_device_good_values() -> None:
 
 @pytest.mark.parametrize("value", [-1, True, 1.5, None, "nowhere", "gpu0", ["cpu"]])
 def test_normalize_device_refuses_bad_values_naming_them(value: Any) -> None:
-    with pytest.raises(accel.DeviceMapError, match=r"is not a device for a device map") as info:
+    with pytest.raises(DeviceMapError, match=r"is not a device for a device map") as info:
         normalize_device(value)
     assert str(info.value).startswith(repr(value))
 
@@ -183,7 +184,7 @@ def test_the_cpu_keeps_room_for_the_largest_layer(net: Net) -> None:
                                     no_split_module_classes=[Block])
     assert planned == {"embed": "cpu", "blocks.0": "cpu", "blocks.1": "cpu",
                        "blocks.2": "cpu", "blocks.3": "disk", "head": "disk"}
-    used = sum(dm.module_sizes(net)[n] for n, d in planned.items() if d == "cpu")
+    used = sum(_model_walk.module_sizes(net)[n] for n, d in planned.items() if d == "cpu")
     assert used + 2_176 <= 11_000 < used + 2_176 + 2_176
 
 
@@ -203,7 +204,7 @@ def test_no_split_module_classes_never_splits_a_block(net: Net, no_split: Any) -
 
 
 def test_a_bad_no_split_entry_is_refused(net: Net) -> None:
-    with pytest.raises(accel.DeviceMapError, match=r"no_split_module_classes holds 5"):
+    with pytest.raises(DeviceMapError, match=r"no_split_module_classes holds 5"):
         infer_auto_device_map(net, max_memory={"cpu": 6000}, no_split_module_classes=[5])  # type: ignore[list-item]
 
 
@@ -234,7 +235,7 @@ def test_float16_fits_more(net: Net) -> None:
 
 @pytest.mark.parametrize("dtype", ["float17", "nn", 16])
 def test_a_bad_dtype_is_refused(net: Net, dtype: Any) -> None:
-    with pytest.raises(accel.DeviceMapError, match=rf"dtype={dtype!r} is not a torch dtype"):
+    with pytest.raises(DeviceMapError, match=rf"dtype={dtype!r} is not a torch dtype"):
         infer_auto_device_map(net, max_memory={"cpu": 6000}, dtype=dtype)
 
 
@@ -264,7 +265,7 @@ def test_a_split_module_places_its_own_buffers() -> None:
     check_device_map(model, planned)
     # Accelerate 1.15 leaves first.pos out, a map that the check refuses
     accelerate_map = {"first.a": "cpu", "first.b": "disk", "second": "disk"}
-    with pytest.raises(accel.DeviceMapError, match=r"\['first.pos'\]"):
+    with pytest.raises(DeviceMapError, match=r"\['first.pos'\]"):
         check_device_map(model, accelerate_map)
 
 
@@ -338,46 +339,46 @@ def test_explicit_maps_are_normalized(net: Net) -> None:
 
 
 def test_an_unknown_name_is_refused_with_the_top_level_modules(net: Net) -> None:
-    with pytest.raises(accel.DeviceMapError, match=r"\['blocks.9'\], which the model") as info:
+    with pytest.raises(DeviceMapError, match=r"\['blocks.9'\], which the model") as info:
         check_device_map(net, {"": "cpu", "blocks.9": "cpu"})
     assert "['embed', 'blocks', 'head']" in str(info.value)
-    with pytest.raises(accel.DeviceMapError, match=r"\[0\], which the model"):
+    with pytest.raises(DeviceMapError, match=r"\[0\], which the model"):
         check_device_map(net, {0: "cpu"})  # type: ignore[dict-item]
 
 
 def test_an_uncovered_tensor_is_refused_naming_it(net: Net) -> None:
-    with pytest.raises(accel.DeviceMapError, match=r"leaves 1 tensor\(s\).*\['head.weight'\]"):
+    with pytest.raises(DeviceMapError, match=r"leaves 1 tensor\(s\).*\['head.weight'\]"):
         check_device_map(net, {"embed": "cpu", "blocks": "disk"})
-    with pytest.raises(accel.DeviceMapError, match=r"'blocks.0.fc1.bias'"):
+    with pytest.raises(DeviceMapError, match=r"'blocks.0.fc1.bias'"):
         check_device_map(net, {"embed": "cpu", "blocks.0.fc1.weight": "cpu",
                                "blocks.0.fc2": "cpu", "blocks.1": 0, "blocks.2": 0,
                                "blocks.3": 0, "head": "disk"})
     with accel.init_empty_weights():
         tied = Net(tied=True)
     # a tied name needs an entry too, as in the checkpoint
-    with pytest.raises(accel.DeviceMapError, match=r"\['head.weight'\]"):
+    with pytest.raises(DeviceMapError, match=r"\['head.weight'\]"):
         check_device_map(tied, {"embed": "cpu", "blocks": "cpu"})
 
 
 def test_a_bad_device_in_a_map_is_refused(net: Net) -> None:
-    with pytest.raises(accel.DeviceMapError, match=r"'nowhere' is not a device"):
+    with pytest.raises(DeviceMapError, match=r"'nowhere' is not a device"):
         check_device_map(net, {"": "nowhere"})
-    with pytest.raises(accel.DeviceMapError, match=r"-1 is not a device"):
+    with pytest.raises(DeviceMapError, match=r"-1 is not a device"):
         check_device_map(net, {"": -1})
-    with pytest.raises(accel.DeviceMapError, match=r"puts \['embed'\] on 'meta'"):
+    with pytest.raises(DeviceMapError, match=r"puts \['embed'\] on 'meta'"):
         check_device_map(net, {"": "cpu", "embed": "meta"})
 
 
 def test_a_map_that_is_not_a_mapping_is_refused(net: Net) -> None:
-    with pytest.raises(accel.DeviceMapError, match=r"device_map=\[\('', 'cpu'\)\] is not a"):
+    with pytest.raises(DeviceMapError, match=r"device_map=\[\('', 'cpu'\)\] is not a"):
         check_device_map(net, [("", "cpu")])  # type: ignore[arg-type]
-    with pytest.raises(accel.DeviceMapError, match=r"device_map=5 is not a mapping"):
+    with pytest.raises(DeviceMapError, match=r"device_map=5 is not a mapping"):
         resolve_device_map(net, 5)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("choice", ["automatic", "Auto", "", "balanced_low_1"])
 def test_resolve_refuses_an_unknown_strategy_listing_the_choices(net: Net, choice: str) -> None:
-    with pytest.raises(accel.DeviceMapError) as info:
+    with pytest.raises(DeviceMapError) as info:
         resolve_device_map(net, choice)
     message = str(info.value)
     assert f"device_map={choice!r} is not a choice" in message
@@ -448,10 +449,10 @@ def test_module_sizes_count_buffers_and_keep_integer_tensors_as_they_are() -> No
     model.lin = nn.Linear(10, 10, bias=False)
     model.register_buffer("ids", torch.arange(100))  # int64: 800 bytes in any dtype
     model.norm = nn.BatchNorm1d(10)  # 2 x 10 params, 2 x 10 float buffers, one int64 count
-    sizes = dm.module_sizes(model, torch.float16)
+    sizes = _model_walk.module_sizes(model, torch.float16)
     assert sizes["lin"] == 200 and sizes["ids"] == 800
     assert sizes["norm"] == 4 * 20 + 8 and sizes[""] == 200 + 800 + 88
-    assert dm.module_sizes(model)["norm"] == 4 * 40 + 8
+    assert _model_walk.module_sizes(model)["norm"] == 4 * 40 + 8
 
 
 def test_a_meta_model_is_planned_like_the_real_one(net: Net) -> None:
@@ -473,7 +474,7 @@ def test_balanced_low_0_on_gpus_numbered_from_1(net: Net) -> None:
 
 def test_an_uncovered_non_persistent_buffer_is_named(net: Net) -> None:
     net.register_buffer("steps", torch.zeros(1), persistent=False)
-    with pytest.raises(accel.DeviceMapError, match=r"\['steps'\]"):
+    with pytest.raises(DeviceMapError, match=r"\['steps'\]"):
         check_device_map(net, {"embed": "cpu", "blocks": "cpu", "head": "cpu"})
 
 
@@ -505,6 +506,6 @@ def test_a_weight_tied_in_four_places_splits_partners_in_name_order() -> None:
     assert infer_auto_device_map(Shared(), max_memory={"cpu": 1600}) == {
         "shared": "cpu", "encoder": "cpu", "decoder.embed_tokens": "cpu",
         "decoder.layers": "disk", "lm_head": "cpu"}
-    assert dm.tied_groups(Shared()) == [
+    assert _model_walk.tied_groups(Shared()) == [
         ["decoder.embed_tokens.weight", "encoder.embed_tokens.weight", "lm_head.weight",
          "shared.weight"]]

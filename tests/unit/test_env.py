@@ -8,7 +8,7 @@ from typing import get_args
 import attrs
 import pytest
 
-from accel._config_file import load_config, parse_config
+from accel._config_file import parse_config
 from accel._env import (
     DERIVED_PORT_RANGE,
     LaunchEnv,
@@ -285,7 +285,6 @@ def test_modules_take_the_definitions_from_the_settings_module() -> None:
     assert get_args(state_module.Strategy) == STRATEGIES
     assert state_module.DEFAULT_TIMEOUT_S == DEFAULT_TIMEOUT_S == SETTINGS["timeout"].default
     assert launch_config.SETTINGS is SETTINGS
-    assert launch_config.load_config is load_config
     assert _ddp.COMM_HOOKS is COMM_HOOKS and _ddp.CONFIG_OPTIONS == DDP_CONFIG_KEYS
     assert env_module.DEFAULT_PORT == run_module.DEFAULT_MULTI_NODE_PORT == DEFAULT_PORT
     assert SETTINGS["backend"].choices == BACKENDS

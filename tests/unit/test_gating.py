@@ -52,9 +52,9 @@ def test_decorators_keep_metadata() -> None:
 
 
 def test_decorator_misuse_is_a_type_error() -> None:
-    with pytest.raises(accel.ArgumentTypeError, match=r"@accel\.on_process\(1\)"):
+    with pytest.raises(accel.errors.ArgumentTypeError, match=r"@accel\.on_process\(1\)"):
         accel.on_process(main_only)  # type: ignore[arg-type]
-    with pytest.raises(accel.ArgumentTypeError, match="decorates a function"):
+    with pytest.raises(accel.errors.ArgumentTypeError, match="decorates a function"):
         accel.on_main_process(3)  # type: ignore[call-overload]
 
 

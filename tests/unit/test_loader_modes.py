@@ -99,22 +99,6 @@ def test_ragged_only_for_variable_size_batches_on_several_ranks() -> None:
     assert ragged.total_batch_size is None and fixed.total_batch_size == 4
 
 
-def test_moved_names_stay_importable_from_their_old_modules() -> None:
-    from accel import _epochs, _rounds, _sharding, _stream_shard
-    from accel.big_model import _explicit_map, _model_walk, device_map, dispatch
-
-    for name in ("FinalRound", "skip_first", "split_counts", "dispatch_slice_size"):
-        assert getattr(_sharding, name) is getattr(_rounds, name)
-    for name in ("StreamShard", "shard_stream", "stream_final_round"):
-        assert getattr(_sharding, name) is getattr(_stream_shard, name)
-    assert _sharding.Reseeder is _epochs.Reseeder
-    assert device_map.normalize_device is _explicit_map.normalize_device
-    assert device_map.check_device_map is _explicit_map.check_device_map
-    assert device_map.module_sizes is _model_walk.module_sizes
-    assert device_map.tied_groups is _model_walk.tied_groups
-    assert callable(dispatch.dispatch_with_sources)
-
-
 SPLIT_MODULES = [
     "data.py", "_loader.py", "_loader_shard.py", "_loader_stream.py", "_loader_dispatch.py",
     "_sharding.py", "_rounds.py", "_stream_shard.py", "_epochs.py", "_resume.py",

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import accel
 from accel import _state, memory
-from accel.errors import ConfigError
-from accel.memory import NoExecutableBatchSizeError, is_out_of_memory
+from accel.errors import ConfigError, NoExecutableBatchSizeError
+from accel.memory import is_out_of_memory
 from accel.testing import fake_state
 
 
@@ -119,14 +119,14 @@ def test_nothing_fits() -> None:
 
 
 def test_misuse_is_a_clear_type_error() -> None:
-    with pytest.raises(accel.ArgumentTypeError, match="first argument, named `batch_size`"):
+    with pytest.raises(accel.errors.ArgumentTypeError, match="first argument, named `batch_size`"):
 
         @accel.find_executable_batch_size
         def train(model: Any, batch_size: int) -> None: ...
 
-    with pytest.raises(accel.ArgumentTypeError, match="batch_size"):
+    with pytest.raises(accel.errors.ArgumentTypeError, match="batch_size"):
         accel.find_executable_batch_size(lambda: None)
-    with pytest.raises(accel.ArgumentTypeError, match="batch_size"):
+    with pytest.raises(accel.errors.ArgumentTypeError, match="batch_size"):
         accel.find_executable_batch_size(lambda *, batch_size: None)
 
     @accel.find_executable_batch_size(starting_batch_size=8)
@@ -134,14 +134,14 @@ def test_misuse_is_a_clear_type_error() -> None:
         return model
 
     with pytest.raises(
-        accel.ArgumentTypeError, match=r"passes it itself.*fit\(<the other arguments>\)"
+        accel.errors.ArgumentTypeError, match=r"passes it itself.*fit\(<the other arguments>\)"
     ):
         fit(8, "m")
-    with pytest.raises(accel.ArgumentTypeError, match="passes it itself"):
+    with pytest.raises(accel.errors.ArgumentTypeError, match="passes it itself"):
         fit("m", batch_size=8)  # type: ignore[call-arg]
     assert fit("m") == "m"
 
-    with pytest.raises(accel.ArgumentTypeError, match="starting_batch_size=64"):
+    with pytest.raises(accel.errors.ArgumentTypeError, match="starting_batch_size=64"):
         accel.find_executable_batch_size(64)  # type: ignore[call-overload]
     with pytest.raises(ConfigError, match="starting_batch_size=-1"):
         accel.find_executable_batch_size(starting_batch_size=-1)
@@ -203,6 +203,6 @@ def test_join_overrides_even_batches_for_the_block() -> None:
 
 def test_join_refuses_to_start_in_a_gate() -> None:
     with _state.gated("@accel.on_main_process function"), pytest.raises(
-        accel.GatedCollectiveError, match="join_uneven_inputs"
+        accel.errors.GatedCollectiveError, match="join_uneven_inputs"
     ), accel.join_uneven_inputs([]):
         pass

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import accel.metrics as metrics
-from accel._sharding import FinalRound
+from accel._rounds import FinalRound
 from accel._state import ProcessState, Scope, set_state
 from accel._tree import zip_map_tensors
 from accel.data import prepare_data_loader

@@ -126,7 +126,7 @@ def test_strategy_errors() -> None:
         with pytest.raises(ConfigError, match="find_unused_parameter"):
             accel.prepare_model(Net(), find_unused_parameter=True)  # misspelt: unknown key
         accel.prepare_model(Net(), find_unused_parameters=True)  # DDP option: ignored on 1
-        with pytest.raises(accel.ArgumentTypeError, match=r"torch\.nn\.Module"):
+        with pytest.raises(accel.errors.ArgumentTypeError, match=r"torch\.nn\.Module"):
             accel.prepare_model("not a model")  # type: ignore[arg-type]
     with fake(strategy="fsdp"):  # one process: not sharded (tests/unit/test_fsdp.py)
         net = Net()

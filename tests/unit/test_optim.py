@@ -85,9 +85,9 @@ def test_optimizer_passthrough_and_identity() -> None:
         assert raw.param_groups[0]["lr"] == 0.5
         assert optimizer.zero_grad.__self__ is optimizer  # own method, not the raw one
         assert "Adam" in repr(optimizer)
-        with pytest.raises(accel.NotPicklableError, match="state_dict"):
+        with pytest.raises(accel.errors.NotPicklableError, match="state_dict"):
             pickle.dumps(optimizer)
-        with pytest.raises(accel.ArgumentTypeError, match="Optimizer"):
+        with pytest.raises(accel.errors.ArgumentTypeError, match="Optimizer"):
             accel.prepare_optimizer(object())
 
 
@@ -281,7 +281,7 @@ def test_scheduler_on_prepared_optimizer_and_state_dict() -> None:
         assert other.last_epoch == 1
         assert other.get_last_lr() == scheduler.get_last_lr()
         assert accel.prepare_scheduler(scheduler) is scheduler
-        with pytest.raises(accel.ArgumentTypeError, match="LRScheduler"):
+        with pytest.raises(accel.errors.ArgumentTypeError, match="LRScheduler"):
             accel.prepare_scheduler(object())
 
 
@@ -421,12 +421,3 @@ def test_fp16_skip_detection_without_step_hooks() -> None:
         optimizer.step()
         assert accel.optimizer_step_was_skipped(duck)
         assert duck.steps == 1
-
-
-def test_scheduler_names_still_import_from_optim() -> None:
-    from accel import optim, scheduling
-
-    assert optim.PreparedScheduler is scheduling.PreparedScheduler
-    assert optim.prepare_scheduler is scheduling.prepare_scheduler
-    with pytest.raises(AttributeError, match="no_such_name"):
-        optim.no_such_name  # noqa: B018

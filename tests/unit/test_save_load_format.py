@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import accel
+from accel._config_file import parse_config
 from accel._env import read_launch_env
 from accel.errors import CheckpointArgumentError, CheckpointError, ConfigError
-from accel.launch.config import parse_config
 from accel.testing import fake_state
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md"

@@ -38,7 +38,7 @@ def test_outside_a_block_the_launch_environment_decides_gating(
     monkeypatch.setenv("WORLD_SIZE", "2")
     st = accel.state()
     assert (st.rank, st.world_size, st.is_main_process) == (1, 2, False)
-    with pytest.raises(accel.NotDistributedError, match=r"accel\.distributed\(\)"):
+    with pytest.raises(accel.errors.NotDistributedError, match=r"accel\.distributed\(\)"):
         accel.gather(torch.zeros(1))
 
 

@@ -72,7 +72,7 @@ def test_error_is_an_attribute_error_and_attrs_frozen_error() -> None:
     for error in (AttributeError, attrs.exceptions.FrozenInstanceError, AccelError):
         with pytest.raises(error):
             st.rank = 2  # type: ignore[misc]
-    assert accel.StateFrozenError is StateFrozenError
+    assert accel.errors.StateFrozenError is StateFrozenError
     assert not hasattr(st, "lr") and getattr(st, "rank", None) == 0  # getattr untouched
     sent = pickle.loads(pickle.dumps(StateFrozenError("why")))  # crosses ranks as itself
     assert type(sent) is StateFrozenError and sent.args == ("why",) and str(sent) == "why"

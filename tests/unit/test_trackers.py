@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 
 import accel
 from accel import trackers as tracking_module
-from accel.errors import ConfigError
+from accel.errors import ConfigError, LogValueError, TrackerUnavailableError, TrackingNotActiveError
 from accel.testing import fake_state
-from accel.trackers.base import LogValueError, TrackerUnavailableError, TrackingNotActiveError
 from accel.trackers.jsonl import read_jsonl
 
 
