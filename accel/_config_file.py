@@ -14,10 +14,8 @@ environment leaves unset from it) and below ``accel launch`` / ``accel env``
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from accel._env import LaunchEnv, read_launch_env, read_variable
 from accel._settings import validate_setting
@@ -75,31 +73,17 @@ def parse_config(text: str, origin: str = "config") -> dict[str, object]:
         >>> parse_config('mixed_precision = "bf16"')
         {'mixed_precision': 'bf16'}
     """
-    toml = _toml_module()
+    import tomllib  # imported on first read: most runs have no config file
+
     try:
-        raw = toml.loads(text)
-    except toml.TOMLDecodeError as error:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
         raise ConfigError(
             f"{origin} is not valid TOML ({error}). Fix it or rewrite it with `accel config`."
         ) from None
     settings = {key: validate_setting(key, value, origin) for key, value in raw.items()}
     check_consistency(settings, origin)
     return settings
-
-
-def _toml_module() -> Any:
-    if sys.version_info >= (3, 11):
-        import tomllib
-
-        return tomllib
-    try:
-        import tomli  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        raise ConfigError(
-            "Reading the accel config file on Python 3.10 needs the `tomli` package. "
-            "Install it with `pip install tomli`."
-        ) from None
-    return tomli
 
 
 def default_config_path(environ: Mapping[str, str] | None = None) -> Path:
