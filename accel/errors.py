@@ -161,7 +161,7 @@ class StateFrozenError(AccelError, FrozenInstanceError):
     """An attribute of the process state (``accel.state()``) was set or deleted.
 
     The state is immutable; a nested ``with accel.distributed(option=value):`` scopes a changed
-    option. It is an ``AttributeError`` (and attrs' ``FrozenInstanceError``), as before.
+    option. It is an ``AttributeError`` (and attrs' ``FrozenInstanceError``).
     """
 
     def __init__(self, message: str) -> None:

@@ -5,7 +5,7 @@ next one), so a root holding many candidates that fail (100,000 ``checkpoint_N``
 empty or with broken manifests, from a crash loop or planted in a shared directory) cost one
 collective each: minutes on two ranks. :func:`screen` reads every candidate's manifest on every
 rank first, which is cheap, and agrees on those that cannot load with one collective; only the
-others are verified in full (newest first, as before).
+others are verified in full, newest first.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A rank that raises ends the whole job at once, is reported, and restarts it when asked.
 
 Rank 1 raises at step 3 while rank 0 is inside its step-3 DDP allreduce, a collective rank 1
-never joins: before issue 13 the failing rank waited in a barrier on its way out and the job
-hung until the 30-minute collective timeout. Every run here has a hard bound far below that
+never joins: a failing rank that waited in a barrier on its way out would hang the job until
+the 30-minute collective timeout. Every run here has a hard bound far below that
 (its whole process session is killed past it), so a regression fails instead of hanging.
 """
 

@@ -1,1 +1,1 @@
-"""Real-model matrix: transformers and peft models built from tiny configs (issue 19)."""
+"""Real-model matrix: transformers and peft models built from tiny configs."""

@@ -1,5 +1,5 @@
 """Ranks that pass ``save_state`` / ``load_state`` different arguments are told, on every rank,
-before anything is written or loaded (issue 24, item 9).
+before anything is written or loaded.
 
 Each check runs inside one process group and goes on to the next only after every rank
 returned, so a later check also shows that the ranks' collectives stayed in step.

@@ -1,5 +1,5 @@
 """A save or load failing on any rank fails on every rank at once, never by a timeout; ranks
-fall back together past a checkpoint that fails on one of them (issue 13, items 5 and 7)."""
+fall back together past a checkpoint that fails on one of them."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """A rank that raises inside ``accel.distributed()`` leaves at once, and its peers are released.
 
-Leaving the block on an exception makes no collective (issue 13): before, the failing rank
-waited in a barrier for peers that were training on (or blocked in a collective it would never
-join), and nothing ended until the 30-minute collective timeout. Each run here is bounded far
-below that, so a regression fails instead of hanging.
+Leaving the block on an exception makes no collective: a failing rank that waited in a barrier
+for peers still training (or blocked in a collective it will never join) would hang the job
+until the 30-minute collective timeout. Each run here is bounded far below that, so a
+regression fails instead of hanging.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""Issue 24 audit on 2 ranks: hostile FSDP pieces and a root full of checkpoints that fail.
+"""Hostile checkpoints on 2 ranks: overlapping FSDP pieces and a root full of failing ones.
 
-* Pieces of an FSDP checkpoint that claim the same rows twice (and so leave others out) loaded
-  uninitialised memory into a plain model; now every rank refuses them together, and no
-  object changes.
+* Pieces of an FSDP checkpoint that claim the same rows twice (and so leave others out, which
+  would load uninitialised memory into a plain model) are refused by every rank together, and
+  no object changes.
 * A root holding many ``checkpoint_N`` directories that cannot load (empty, or broken
-  manifests) cost one collective per directory (20,000 of them: about a minute on 2 ranks);
-  ``load_state`` now finds them with one collective and loads the newest good one, with a
-  warning that names the first few skipped and counts the rest.
+  manifests): ``load_state`` finds them with one collective (not one per directory: 20,000 of
+  them would take about a minute on 2 ranks) and loads the newest good one, with a warning
+  that names the first few skipped and counts the rest.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hostile checkpoint files on 2 ranks (issue 24, items 1, 3, 4, 6, 8, 10).
+"""Hostile checkpoint files on 2 ranks.
 
 A FIFO, a link to ``/dev/zero`` or to a file outside, a deep manifest or a header with absurd
 dimensions is refused with a ``CheckpointError`` on every rank together (the ranks agree after

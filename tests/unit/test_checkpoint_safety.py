@@ -1,4 +1,4 @@
-"""save_state / load_state never lose the user's work (issue 13): one process.
+"""save_state / load_state never lose the user's work: one process.
 
 Directories accel did not write are refused, replacing a checkpoint leaves no instant without
 one, steps are validated, a corrupt newest checkpoint falls back to an older intact one, every

@@ -1,5 +1,5 @@
 """Values a checkpoint restores are checked against what the live objects hold, before any of
-them changes (issue 24, item 10).
+them changes.
 
 Each test crafts a checkpoint as an attacker (or a corrupting disk) could: it edits a
 structure file or a safetensors header and rewrites the manifest's size and CRC32 to match,

@@ -1,15 +1,15 @@
-"""Issue 24 audit: hostile inputs the first round of fixes let through, one process.
+"""Hostile checkpoint inputs, one process: each is refused with a CheckpointError, nothing changes.
 
 * torch pickles (``accel.load``, ``pytorch_model.bin``, an Accelerate checkpoint's ``.bin``
-  files): malformed pickles raised raw ``IndexError`` / ``TypeError`` / ``LookupError`` /
-  ``MemoryError`` from ``accel.load``; the callables ``weights_only=True`` allows built
-  gigabytes from a few bytes (``bytearray(2**31)``, ``_codecs.encode`` nested, ``set()`` of an
-  expanded tensor view); files older than the zip format were not checked at all;
-* meta / sparse tensors in a weights file or an optimizer state raised raw errors, or changed
-  the model before the optimizer failed; cyclic, very deep or self-repeating optimizer state
-  hung ``load_state_dict`` (40 s, then ``MemoryError``) after the model was restored;
-* FSDP pieces that claim the global tensor twice over loaded uninitialised memory;
-* optimizer parameter ids that match no state silently dropped a parameter's state;
+  files): malformed pickles (which would raise raw ``IndexError`` / ``TypeError`` /
+  ``LookupError`` / ``MemoryError``); calls ``weights_only=True`` allows that build gigabytes
+  from a few bytes (``bytearray(2**31)``, ``_codecs.encode`` nested, ``set()`` of an expanded
+  tensor view); files older than the zip format;
+* meta / sparse tensors in a weights file or an optimizer state, refused before the model
+  changes; cyclic, very deep or self-repeating optimizer state (``load_state_dict`` would run
+  40 s into ``MemoryError`` after the model was restored);
+* FSDP pieces that claim the global tensor twice over (uninitialised memory otherwise);
+* optimizer parameter ids that match no state (a parameter's state silently dropped otherwise);
 * structure tags of the wrong form, manifest names ending in a newline, numbered directories
   spelled with other digits, scratch copies of another user, files swapped between the check
   and the read.

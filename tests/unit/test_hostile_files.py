@@ -1,4 +1,4 @@
-"""Checkpoints as untrusted input (issue 24, items 1, 3, 4, 6, 8, 10): one process.
+"""Checkpoints as untrusted input: one process.
 
 A planted lock file is never written through; a checkpoint entry that is a FIFO, a link (to
 ``/dev/zero`` or to a valid file outside), a deep or duplicate-keyed JSON text or a header with

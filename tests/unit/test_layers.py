@@ -2,18 +2,21 @@
 
 The import graph is drawn from the source with ``ast``: every ``import``/``from ... import``
 naming an accel module, at module level or inside a function (a lazy import is a dependency
-too). Run this file as a script to print the graph with each module's layer.
+too). Run this file as a script to print the graph with each module's layer. The page also
+names every module in a group; a module it does not name fails here.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "accel"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 # Highest first. A module belongs to the first layer with a pattern that matches it: the exact
 # name, or ``prefix.*`` for a package's modules. Unlisted modules are in "features".
@@ -134,6 +137,28 @@ def test_an_upward_import_is_found(tmp_path: Path) -> None:
     assert upward_imports(graph) == [
         "accel._env (environment) imports accel.launch.run (tools)"
     ]
+
+
+def named_modules(text: str) -> set[str]:
+    """Modules a page names: ```accel.x.y``` in full, or ```accel.x``: ``y``` on one line."""
+    named: set[str] = set()
+    for line in text.splitlines():
+        tokens = re.findall(r"`([^`]+)`", line)
+        named.update(tokens)
+        for package in (t for t in tokens if t.startswith("accel")):
+            named.update(f"{package}.{t}" for t in tokens if t.isidentifier())
+    return named
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    missing = sorted(set(import_graph()) - named_modules(ARCHITECTURE.read_text("utf-8")))
+    assert missing == [], "add these modules to a group of docs/architecture.md"
+
+
+def test_a_module_is_named_in_full_or_after_its_package() -> None:
+    named = named_modules("| `accel.data`, `accel._loader` |\n| `accel.checkpoint`: `_saving` |")
+    assert {"accel.data", "accel._loader", "accel.checkpoint._saving"} <= named
+    assert "accel.data._loader" not in named  # names on other lines do not combine
 
 
 @pytest.mark.parametrize(

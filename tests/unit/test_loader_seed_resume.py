@@ -190,7 +190,7 @@ def test_worker_randomness_of_later_epochs_comes_back() -> None:
 
 
 def test_state_without_seeds_keeps_the_loaders_own() -> None:
-    """A position saved before seeds were recorded loads as before."""
+    """A position without recorded seeds keeps the loader's own seeds."""
 
     def make() -> Any:
         return prepare_data_loader(DataLoader(range(20), batch_size=2, shuffle=True))
