@@ -99,6 +99,7 @@ def dispatch_rounds(
     device: torch.device,
     resume: bool,
     record: Callable[[FinalRound], None],
+    reader: bool | None = None,
 ) -> Iterator[Any]:
     """This rank's slices of the rounds rank 0 reads. Every rank must iterate it together.
 
@@ -113,6 +114,9 @@ def dispatch_rounds(
         resume: The first round only provides the epoch's padding samples (resuming
             mid-epoch); it is not yielded.
         record: Called with the :class:`FinalRound` before the last slice is yielded.
+        reader: Whether this process reads ``rounds`` and broadcasts them (global rank 0);
+            default ``rank == 0``. Under tensor parallelism ``rank`` is the data-parallel
+            rank, which several processes share.
 
     Example:
         >>> for piece in dispatch_rounds(rounds, rank=r, world_size=2, device=dev,
@@ -128,10 +132,11 @@ def dispatch_rounds(
     allocate = partial(_allocate, device)
     sliced_size = -1
     take = partial(_rows, 0, 0, False)
+    reads = rank == 0 if reader is None else reader
     while True:
         header: Any = None
         failure: BaseException | None = None
-        if rank == 0:
+        if reads:
             try:
                 if first:
                     current = next(rounds, _END)
@@ -150,7 +155,7 @@ def dispatch_rounds(
             raise RemoteError(f"rank 0 failed to read the batch to dispatch: {header[1]}")
         skeleton, last, padding_only = header
         first = False
-        batch = map_tensors(to_device, current) if rank == 0 else map_tensors(allocate, skeleton)
+        batch = map_tensors(to_device, current) if reads else map_tensors(allocate, skeleton)
         batch = broadcast(batch)
         if pad_source is None:
             pad_source = map_tensors(partial(_rows, 0, world_size, True), batch)

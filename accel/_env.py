@@ -80,6 +80,10 @@ class LaunchEnv:
     debug: bool | None = None
     timeout: float | None = None
     on_each_node: bool | None = None
+    dp_replicate_size: int | None = None
+    dp_shard_size: int | None = None
+    tp_size: int | None = None
+    cp_size: int | None = None
     config_file: str | None = None
 
 

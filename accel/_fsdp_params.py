@@ -27,6 +27,7 @@ from accel.errors import StaleParametersError
 __all__ = [
     "adopt_sharded_parameters",
     "check_optimizer_parameters",
+    "clip_by_total_norm",
     "mark_replaced",
     "plain_norm",
     "set_gradient_sync",
@@ -186,3 +187,50 @@ def plain_norm(norm: torch.Tensor) -> torch.Tensor:
         return norm
     full = getattr(norm, "full_tensor", None)
     return norm if full is None else full()
+
+
+def _layout_groups(params: list[Any]) -> list[list[Any]]:
+    """``params`` with gradients, grouped by their gradients' mesh and placements (plain
+    tensors together), in first-seen order: the same on every rank."""
+    groups: dict[object, list[Any]] = {}
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        mesh = getattr(grad, "device_mesh", None)
+        key = None if mesh is None else (id(mesh), tuple(map(str, grad.placements)))
+        groups.setdefault(key, []).append(param)
+    return list(groups.values())
+
+
+def clip_by_total_norm(
+    params: list[Any], max_norm: float | None, norm_type: float
+) -> torch.Tensor:
+    """The total gradient norm of ``params`` over every rank and mesh dim (clipped to
+    ``max_norm`` unless it is ``None``), as a plain tensor, the same on every rank.
+
+    torch's ``clip_grad_norm_`` takes one kind of gradient; a tensor-parallel model mixes
+    plain gradients (layers left whole), DTensors on the ``tp`` mesh and, under FSDP, DTensors
+    on the data-parallel or the 2-D mesh. Each such group's norm is reduced over its own mesh,
+    then the norms are combined. Every rank must call it.
+
+    Example:
+        >>> norm = clip_by_total_norm(list(model.parameters()), 1.0, 2.0)
+    """
+    groups = _layout_groups(params)
+    if len(groups) <= 1:
+        grads = [p.grad for p in params if p.grad is not None]
+        if max_norm is None:
+            return plain_norm(torch.nn.utils.get_total_norm(grads, norm_type))
+        return plain_norm(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
+    norms = [
+        plain_norm(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type))
+        for group in groups
+    ]
+    total: torch.Tensor = torch.linalg.vector_norm(
+        torch.stack([n.to(norms[0].device) for n in norms]), norm_type
+    )
+    if max_norm is not None:
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total

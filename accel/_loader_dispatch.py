@@ -22,6 +22,7 @@ from accel._loader_stream import stream_shard
 from accel._resume import shuffle_reseeder
 from accel._rounds import FinalRound
 from accel._sharding import ShardedBatchSampler
+from accel._state import state
 from accel._stream_shard import StreamShard
 
 if TYPE_CHECKING:
@@ -68,12 +69,13 @@ class DispatchMode:
         """All ranks: rank 0 reads whole rounds and broadcasts them; each keeps its slice."""
         group = 1 if self.split_batches else self.world_size
         rounds: Iterator[Any] = iter(())
-        if self.rank == 0:
+        reader = state().rank == 0  # self.rank is the data-parallel rank (shared under TP)
+        if reader:
             rounds = self._base_rounds(loader.worker_seeds, epoch, start * group, group)
         self.recorded = None
         return dispatch_rounds(
             rounds, rank=self.rank, world_size=self.world_size, device=self.device,
-            resume=start > 0, record=self._record,
+            resume=start > 0, record=self._record, reader=reader,
         )
 
     def final_round(self) -> FinalRound | None:

@@ -260,6 +260,20 @@ SETTINGS: Mapping[str, Spec] = {
         "bool", "each machine's first process saves its own copy (no shared filesystem)", False,
         layer="policy",
     ),
+    # the device mesh (read by accel.distributed(), also as ACCEL_<KEY>)
+    "dp_replicate_size": Spec(
+        "int", "mesh: data-parallel replicas (HSDP's replicate dimension)", minimum=1,
+        layer="policy",
+    ),
+    "dp_shard_size": Spec(
+        "int", "mesh: processes each model is sharded over with FSDP", minimum=1,
+        layer="policy",
+    ),
+    "tp_size": Spec("int", "mesh: tensor-parallel degree", minimum=1, layer="policy"),
+    "cp_size": Spec(
+        "int", "mesh: context-parallel degree (not available on CPU)", minimum=1,
+        layer="policy",
+    ),
     # DDP options (read by accel.prepare_model where it wraps a model in DDP)
     "find_unused_parameters": Spec(
         "bool", "DDP: allow parameters with no gradient", False, layer="ddp"

@@ -116,7 +116,7 @@ def prepare_data_loader(
             "`accel.prepare_data_loader(DataLoader(dataset, batch_size=...))`."
         )
     st = state()
-    rank, world = st.rank, st.world_size
+    rank, world = st.dp_rank, st.dp_world_size  # a tensor-parallel group shares its batches
     dataset = loader.dataset
     iterable = isinstance(dataset, IterableDataset)
     if dispatch_batches is None:

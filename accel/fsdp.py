@@ -269,6 +269,10 @@ def is_fsdp_module(module: object) -> bool:
 
 
 def _mesh(st: ProcessState) -> DeviceMesh:
+    if st.mesh is not None:  # the block's N-D mesh: shard over its data-parallel dims
+        from accel.mesh import dp_mesh
+
+        return dp_mesh(st.mesh)
     meshes = _MESHES.get_or_create(dict)
     key = (st.device.type, st.world_size)
     mesh = meshes.get(key)
@@ -373,7 +377,7 @@ def shard_model(
     """
     targets = shard_targets(model, options.shard_modules)
     st = state()
-    if st.world_size == 1 or evaluation_mode or is_fsdp_module(model):
+    if st.dp_world_size == 1 or evaluation_mode or is_fsdp_module(model):
         if st.world_size == 1 and not evaluation_mode:
             _note_one_process()
         return model.to(st.device) if device_placement else model

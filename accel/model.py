@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accel._ddp import DDPOptions, ddp_options, make_ddp, note_ignored
 from accel._ddp_teardown import collect_garbage_at_exit
+from accel._fsdp_params import mark_replaced
 from accel._settings import STRATEGIES
 from accel._state import state
 from accel.blockwise import (
@@ -122,6 +123,22 @@ def _no_ddp_reason(chosen: str, world_size: int, evaluation_mode: bool, model: n
     return ""
 
 
+def _split_tensor_parallel(model: nn.Module, tp_plan: object, device_placement: bool) -> bool:
+    """Apply ``tp_plan`` (when given) on the state's mesh; whether the model was split."""
+    if tp_plan is None:
+        return False
+    from accel.tensor_parallel import apply_tensor_parallel
+
+    st = state()
+    if device_placement:
+        model.to(st.device)
+    before = dict(model.named_parameters())
+    split = apply_tensor_parallel(model, tp_plan, st.mesh)
+    if split:
+        mark_replaced(model, before)  # an optimizer made before prepare_model is moved over
+    return split
+
+
 def prepare_model(
     model: nn.Module,
     *,
@@ -130,6 +147,7 @@ def prepare_model(
     compile: bool | Literal["regional"] | Mapping[str, Any] = False,
     evaluation_mode: bool = False,
     activation_checkpointing: bool | BlockSpec | Iterable[BlockSpec] | None = None,
+    tp_plan: str | Mapping[str, Any] | None = None,
     **strategy_options: Any,
 ) -> nn.Module:
     """Make ``model`` ready for the run: device, mixed precision forward, DDP or FSDP2, compile.
@@ -171,6 +189,11 @@ def prepare_model(
         activation_checkpointing: ``True`` (the blocks), a block class, a class name, or an
             iterable of them; default ``accel.distributed(activation_checkpointing=...)``,
             ``ACCEL_ACTIVATION_CHECKPOINTING`` or the config file, else off.
+        tp_plan: tensor parallelism over the mesh's ``tp`` dim (``accel.distributed(
+            tp_size=...)``): ``{module-name pattern: style}`` or ``"auto"`` (a transformers
+            model's own plan), see ``docs/parallelism.md``. Applied first; then FSDP over the
+            data-parallel dims (``dp_shard``, HSDP with ``dp_replicate``), or replicas kept in
+            sync over ``dp_replicate`` (FSDP2 with a shard size of 1).
         **strategy_options: with ``strategy="fsdp"``: ``shard_modules`` (a module class, a
             class name, or an iterable of them), ``reshard_after_forward`` (default ``True``)
             and ``cpu_offload`` (default ``False``), overriding those of
@@ -213,6 +236,13 @@ def prepare_model(
     st = state()
     checkpointing = _checkpointing_choice(activation_checkpointing, st.options)
     shard_modules = None
+    split = _split_tensor_parallel(model, tp_plan, device_placement)
+    if split and chosen != "fsdp":
+        # TP weights are DTensors, which DDP cannot sync: FSDP2 keeps the data-parallel
+        # replicas in sync instead (a shard size of 1 when only dp_replicate is set).
+        note_ignored(ddp_options(st.options, {}), "tensor parallelism")
+        chosen = "fsdp" if st.dp_world_size > 1 and not evaluation_mode else "none"
+        strategy_options = {}
     if chosen == "fsdp":
         from accel import fsdp  # torch.distributed.fsdp loads only for this strategy
 
@@ -234,7 +264,7 @@ def prepare_model(
     if st.mixed_precision != "no":
         _install_autocast_forward(model)
     result: nn.Module = model
-    if chosen != "fsdp":
+    if chosen != "fsdp" and not split:
         no_ddp = _no_ddp_reason(chosen, st.world_size, evaluation_mode, model)
         if no_ddp:
             note_ignored(ddp, no_ddp)

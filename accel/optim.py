@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from accel._fsdp_params import check_optimizer_parameters, plain_norm
+from accel._fsdp_params import check_optimizer_parameters, clip_by_total_norm
 from accel._state import scope, state
 from accel.errors import ArgumentTypeError, NotPicklableError
 
@@ -407,14 +407,13 @@ def clip_grad_norm_(
     params = _as_list(parameters)
     sc = scope()
     if not sc.sync_gradients:
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = plain_norm(torch.nn.utils.get_total_norm(grads, norm_type))
+        norm = clip_by_total_norm(params, None, norm_type)
         scaler = active_scaler()
         if scaler is not None and scaler.is_enabled():
             norm = norm / scaler.get_scale()
         return norm
     unscale_gradients()
-    return plain_norm(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
+    return clip_by_total_norm(params, max_norm, norm_type)
 
 
 def clip_grad_value_(parameters: Params, clip_value: float) -> None:

@@ -39,6 +39,7 @@ from accel._state import (
 )
 from accel.checkpoint._async import pending_saves
 from accel.errors import ConfigError
+from accel.mesh import SIZE_KEYS, build_mesh, mesh_shape
 from accel.preemption import stop_watch_scope
 
 __all__ = ["distributed"]
@@ -143,6 +144,10 @@ def distributed(
     debug: bool | None = None,
     seed: int | None = None,
     on_each_node: bool | None = None,
+    dp_replicate_size: int | None = None,
+    dp_shard_size: int | None = None,
+    tp_size: int | None = None,
+    cp_size: int | None = None,
     **options: Any,
 ) -> Iterator[ProcessState]:
     """Set up distributed training for the block and yield the process state.
@@ -172,6 +177,14 @@ def distributed(
             ``load_state``: each machine's local main process writes (and reads) its own copy,
             for machines without a shared filesystem (also the config key ``on_each_node``
             and ``ACCEL_ON_EACH_NODE=1``); default False (one copy, written by rank 0).
+        dp_replicate_size: data-parallel replicas (HSDP's replicate dimension).
+        dp_shard_size: processes each model is sharded over with FSDP (implies
+            ``strategy="fsdp"`` when > 1).
+        tp_size: tensor-parallel degree (``prepare_model(tp_plan=...)`` splits layers over
+            it). With any of the sizes set the block gets a DeviceMesh (``state().mesh``,
+            dims ``dp_replicate``, ``dp_shard``, ``tp``); one size left unset takes what
+            remains (see ``docs/parallelism.md``).
+        cp_size: context-parallel degree; > 1 is a ``ConfigError`` (not available).
         **options: DDP and FSDP options, and ``activation_checkpointing`` (also
             ``ACCEL_ACTIVATION_CHECKPOINTING`` and the config key), the default of every
             ``prepare_model`` in the block; readable as ``accel.state().options``.
@@ -195,7 +208,10 @@ def distributed(
         "debug": debug,
         "timeout": timeout_s,
     }
+    sizes = {"dp_replicate_size": dp_replicate_size, "dp_shard_size": dp_shard_size,
+             "tp_size": tp_size, "cp_size": cp_size}
     if has_active_state():
+        _same_mesh(state(), sizes)
         fixed = {"backend": backend, "cpu": cpu or None}
         inner = _nested(
             state(), fixed=fixed, changes=changes, options=options, on_each_node=on_each_node
@@ -231,6 +247,13 @@ def distributed(
                     "torch.distributed. Install a torch build with distributed support."
                 )
             group_backend = _pick_backend(backend or env.backend, device)
+    shape = mesh_shape(
+        world, strategy if strategy is not None else env.strategy,
+        {k: v if v is not None else getattr(env, k) for k, v in sizes.items()},
+        device_type=device.type,
+    )
+    if shape is not None and shape.dp_shard > 1 and changes["strategy"] is None:
+        changes["strategy"] = "fsdp"
     policy = resolve_policy(env, world_size=world, **changes)
     _note_fp8(policy["mixed_precision"])
     if device.type == "cuda":
@@ -238,6 +261,7 @@ def distributed(
     if group_backend is not None and not dist.is_initialized():
         _init_group(env, group_backend, policy["timeout"])
         created = True
+    mesh = build_mesh(device.type, shape) if shape is not None and world > 1 else None
     current = ProcessState(
         rank=rank,
         local_rank=local_rank,
@@ -250,6 +274,8 @@ def distributed(
         seed=seed,
         on_each_node=bool(env.on_each_node) if on_each_node is None else on_each_node,
         options=options,
+        mesh_shape=None if shape is None else shape.sizes(),
+        mesh=mesh,
         **policy,
     )
     try:
@@ -268,8 +294,22 @@ def distributed(
 
 _NAMED = (
     "backend", "mixed_precision", "gradient_accumulation_steps", "strategy", "cpu", "timeout",
-    "debug", "seed", "on_each_node",
+    "debug", "seed", "on_each_node", "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size",
 )
+
+
+def _same_mesh(outer: ProcessState, sizes: Mapping[str, int | None]) -> None:
+    """Refuse mesh sizes in a nested block that differ from the outer block's mesh."""
+    if all(v is None for v in sizes.values()):
+        return
+    have = dict(zip(SIZE_KEYS, (*(outer.mesh_shape or (None, None, None)), None), strict=True))
+    for key, value in sizes.items():
+        if value is not None and value != (have[key] or (1 if outer.mesh_shape else None)):
+            raise ConfigError(
+                f"accel.distributed({key}={value}) inside a block whose mesh is "
+                f"{outer.mesh_shape or 'not set'} (dp_replicate, dp_shard, tp): the mesh is made "
+                "once, by the outermost block. Pass the sizes there."
+            )
 
 
 def _check_options(options: Mapping[str, Any]) -> None:

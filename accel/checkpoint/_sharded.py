@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel._state import state
 from accel.checkpoint._objects import plan_object
 from accel.checkpoint._ties import TIED, owner, tie_map
 from accel.checkpoint._writer import PlannedFile
@@ -144,6 +145,18 @@ def _holds(value: Any, cls: type) -> bool:
     return False
 
 
+def _first_copy(mesh: Any, root: Any) -> bool:
+    """Whether this rank holds the first copy of a tensor on ``mesh``, a submesh of the block's
+    mesh ``root``: coordinate 0 on every dim of ``root`` that ``mesh`` lacks (e.g. ``tp`` for
+    a layer left whole under tensor parallelism, whose FSDP shards repeat on each TP rank)."""
+    names = mesh.mesh_dim_names
+    root_names = root.mesh_dim_names or ()
+    if not names or not set(names) <= set(root_names):
+        return True  # a mesh of the user's own: its pieces are all written
+    coordinate = root.get_coordinate() or ()
+    return all(c == 0 for name, c in zip(root_names, coordinate, strict=False) if name not in names)
+
+
 def _local_pieces(
     dtensors: Mapping[str, Any],
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, list[int]]]]:
@@ -157,10 +170,13 @@ def _local_pieces(
 
     pieces: dict[str, torch.Tensor] = {}
     where: dict[str, dict[str, list[int]]] = {}
+    root = state().mesh
     for key, dt in dtensors.items():
         coordinate = dt.device_mesh.get_coordinate()
         if coordinate is None:  # this rank is not in the tensor's mesh
             continue
+        if root is not None and not _first_copy(dt.device_mesh, root):
+            continue  # the same piece lives on the ranks of the mesh dims this tensor lacks
         if any(isinstance(p, Partial) for p in dt.placements):
             raise CheckpointError(
                 f"Cannot save {key!r}: it is a DTensor with a Partial placement "

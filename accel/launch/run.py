@@ -116,6 +116,15 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
                         help="check every collective across ranks first")
     policy.add_argument("--timeout", type=float, metavar="S",
                         help="seconds before a collective gives up")
+    mesh = parser.add_argument_group("device mesh (reach accel.distributed(); see "
+                                     "docs/parallelism.md)")
+    for size, what in (("dp_replicate", "data-parallel replicas (HSDP's replicate dim)"),
+                       ("dp_shard", "processes each model is sharded over (FSDP)"),
+                       ("tp", "tensor-parallel degree"),
+                       ("cp", "context-parallel degree (not available on CPU)")):
+        mesh.add_argument(f"--{size.replace('_', '-')}-size", f"--{size}_size",
+                          f"--parallelism_config_{size}_size", dest=f"{size}_size", type=int,
+                          metavar="N", help=what)
     policy.add_argument("--config-file", "--config_file", metavar="F",
                         help="config file (default: $ACCEL_CONFIG_FILE, else "
                              "~/.config/accel/config.toml)")
@@ -146,6 +155,8 @@ def command_line_settings(ns: argparse.Namespace) -> dict[str, object]:
         "cpu": get("cpu"),
         "debug": get("debug"),
         "timeout": get("timeout"),
+        **{key: get(key) for key in ("dp_replicate_size", "dp_shard_size", "tp_size",
+                                     "cp_size")},
     }
     return {key: value for key, value in out.items() if value is not None}
 

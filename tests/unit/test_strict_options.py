@@ -15,9 +15,11 @@ def test_distributed_refuses_unknown_keywords_naming_the_closest() -> None:
     typo = r"'mixed_precison' \(did you mean 'mixed_precision'\?\)"
     with pytest.raises(ConfigError, match=typo), accel.distributed(mixed_precison="bf16"):
         pass
-    with pytest.raises(ConfigError, match="unknown option 'tp_size'"), accel.distributed(
-        tp_size=2
-    ):
+    with pytest.raises(ConfigError, match=r"'tp_sise' \(did you mean 'tp_size'\?\)"), \
+            accel.distributed(tp_sise=2):
+        pass
+    with pytest.raises(ConfigError, match=r"tp_size=2 \(world_size=1\) do not divide"), \
+            accel.distributed(tp_size=2):  # a real option now: checked against the world
         pass
     with accel.distributed(find_unused_parameters=True, shard_modules="Linear") as st:
         assert dict(st.options) == {"find_unused_parameters": True, "shard_modules": "Linear"}

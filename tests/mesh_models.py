@@ -1,0 +1,132 @@
+"""Models, data and a training run shared by the N-D mesh tests (tensor parallel, HSDP).
+
+``train`` runs inside ``accel.distributed(...)`` on any mesh and returns what the tests compare
+with one process: the full weights after the steps, each step's gradient norm and loss, and
+the predictions gathered with ``gather_for_metrics``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import accel
+
+MLP_PLAN = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
+SAMPLES = 24
+BATCH = 8  # the global batch: split between the data-parallel ranks
+
+
+class Block(nn.Module):
+    """An MLP block: up, GELU, down (the shape tensor parallelism splits)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+class MLP(nn.Module):
+    """Input layer, two blocks, head: the layers outside the blocks stay whole under TP."""
+
+    _no_split_modules: ClassVar[list[str]] = ["Block"]
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.blocks = nn.ModuleList([Block(width) for _ in range(2)])
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def llama(tie: bool = False) -> nn.Module:
+    """A two-layer Llama (GQA: 8 heads, 4 key/value heads) built locally."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=32,
+        tie_word_embeddings=tie,
+    )
+    return LlamaForCausalLM(config)
+
+
+def make(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    if family == "mlp":
+        return MLP()
+    return llama(tie=family == "llama-tied")
+
+
+def _data(family: str) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    if family == "mlp":
+        return TensorDataset(torch.randn(SAMPLES, 8, generator=g),
+                             torch.randn(SAMPLES, 4, generator=g))
+    ids = torch.randint(0, 64, (SAMPLES, 12), generator=g)
+    return TensorDataset(ids, ids)
+
+
+def _loss(family: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if family == "mlp":
+        return nn.functional.mse_loss(model(x), y)
+    return model(input_ids=x, labels=y).loss  # type: ignore[no-any-return]
+
+
+def _predict(family: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x) if family == "mlp" else model(input_ids=x).logits[:, -1]
+    return out.detach()
+
+
+def train(family: str, steps: int = 3, plan: Any = None, save: str | None = None,
+          load: str | None = None) -> dict[str, Any]:
+    """Train ``steps`` steps on the block's mesh; optionally load before / save after."""
+    model = make(family)
+    tp_plan = plan if plan is not None else (MLP_PLAN if family == "mlp" else "auto")
+    model = accel.prepare_model(model, tp_plan=tp_plan)
+    lr = 0.01 if family == "mlp" else 0.001
+    optimizer = accel.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=lr))
+    if load is not None:
+        accel.load_state(load, model=model, optimizer=optimizer)
+    loader = accel.prepare_data_loader(
+        DataLoader(_data(family), batch_size=BATCH), split_batches=True
+    )
+    norms, losses = [], []
+    for step, (x, y) in enumerate(loader):
+        if step == steps:
+            break
+        loss = _loss(family, model, x, y)
+        accel.backward(loss)
+        norms.append(float(accel.clip_grad_norm_(model.parameters(), 0.5)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(accel.reduce(loss.detach(), reduction="mean")))
+    if save is not None:
+        accel.save_state(save, model=model, optimizer=optimizer)
+    seen = []
+    eval_loader = accel.prepare_data_loader(DataLoader(_data(family), batch_size=5))
+    with torch.no_grad():
+        for x, _ in eval_loader:
+            seen.append(accel.gather_for_metrics(_predict(family, model, x)))
+    weights = {k: v.clone() for k, v in accel.get_state_dict(model).items()}
+    st = accel.state()
+    return {
+        "weights": weights if st.is_main_process else None,
+        "norms": norms,
+        "losses": losses,
+        "predictions": torch.cat(seen),
+        "mesh": st.mesh_shape,
+        "dp": (st.dp_rank, st.dp_world_size),
+        "tp": (st.tp_rank, st.tp_world_size),
+    }
