@@ -38,10 +38,11 @@ from torch.utils.data import DataLoader
 from accel._state import scope
 from accel.checkpoint._fit import check_fits
 from accel.checkpoint._layout import MANIFEST
+from accel.checkpoint._saving import describe
 from accel.checkpoint._stream import read_weights
 from accel.checkpoint._torch_pickle import check_loaded
 from accel.checkpoint._torch_zip import is_zip, opened_torch_file
-from accel.checkpoint.state import CheckpointInfo, _agree, _describe, _load_into, _unwrap
+from accel.checkpoint.state import CheckpointInfo, _agree, _load_into, _unwrap
 from accel.collectives import gather_object
 from accel.errors import CheckpointError
 from accel.gating import get_logger
@@ -410,7 +411,7 @@ def load_accelerate_state(
     try:
         read = _read(target, objects)
     except Exception as exc:  # every rank must hear of it, not wait for a timeout
-        error = _describe(exc)
+        error = describe(exc)
     errors = _agree(error)
     if errors or read is None:
         raise CheckpointError(
@@ -425,7 +426,7 @@ def load_accelerate_state(
         if read.scaler is not None and scaler is not None:
             scaler.load_state_dict(read.scaler)
     except Exception as exc:
-        error = _describe(exc)
+        error = describe(exc)
     errors = _agree(error)
     if errors:
         raise CheckpointError(

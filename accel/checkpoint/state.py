@@ -51,7 +51,7 @@ from accel.checkpoint._layout import (
 from accel.checkpoint._objects import read_object
 from accel.checkpoint._paths import as_path
 from accel.checkpoint._reshard import resolve
-from accel.checkpoint._saving import GRADS
+from accel.checkpoint._saving import GRADS, describe
 from accel.checkpoint._screening import listed, missing_objects, screen
 from accel.checkpoint._sharded import check_layout
 from accel.checkpoint._values import check_counter, check_gradients, check_rng, check_values
@@ -142,10 +142,6 @@ def _restore_gradients(module: nn.Module, grads: dict[str, torch.Tensor]) -> Non
             param.grad.copy_(grad)
         else:
             param.grad = grad.to(device=param.device, dtype=param.dtype).clone()
-
-
-def _describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, AccelError) else f"{type(exc).__name__}: {exc}"
 
 
 def _shown(normalise: Callable[[Any], Any], value: Any) -> Any:
@@ -273,7 +269,7 @@ def save_state(
     try:
         records = write_files(plan())
     except Exception as exc:
-        error = _describe(exc)
+        error = describe(exc)
     _saving.finish(job, records, error)
     return job.final
 
@@ -475,7 +471,7 @@ def load_state(
                 raise
             own = exc if isinstance(exc, AccelError) else CheckpointError(
                 f"load_state({os.fspath(directory)!r}) could not list its checkpoints: "
-                f"{_describe(exc)}"
+                f"{describe(exc)}"
             )
     call = call_of(directory, objects, {
         "missing_ok": missing_ok,
@@ -515,7 +511,7 @@ def load_state(
     skipped: list[str] = []
     plan: _Plan | None = None
     # candidates that cannot load are found with one collective, not one each
-    screened = screen(names, list(objects), _describe) if not explicit and len(names) > 1 else {}
+    screened = screen(names, list(objects), describe) if not explicit and len(names) > 1 else {}
     for index, name in enumerate(names):
         if index in screened:
             skipped.append(screened[index])
@@ -524,7 +520,7 @@ def load_state(
         try:
             plan = _verify(Path(name), objects, st.rank, st.world_size)
         except Exception as exc:  # every rank must hear of it, not wait for a timeout
-            error = _describe(exc)
+            error = describe(exc)
         errors = _agree(error, plan.save_id if plan is not None else None, repr(name))
         if not errors:
             break
@@ -547,7 +543,7 @@ def load_state(
     try:
         _apply(plan, objects, st.world_size)
     except Exception as exc:
-        error = _describe(exc)
+        error = describe(exc)
     errors = _agree(error)
     if errors:
         raise CheckpointError(
