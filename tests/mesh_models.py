@@ -90,11 +90,15 @@ def _predict(family: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def train(family: str, steps: int = 3, plan: Any = None, save: str | None = None,
-          load: str | None = None) -> dict[str, Any]:
-    """Train ``steps`` steps on the block's mesh; optionally load before / save after."""
+          load: str | None = None, **prepare_options: Any) -> dict[str, Any]:
+    """Train ``steps`` steps on the block's mesh; optionally load before / save after.
+
+    Every step runs inside ``accel.accumulate`` (a no-op without gradient accumulation);
+    gradient norms are recorded on sync steps only.
+    """
     model = make(family)
     tp_plan = plan if plan is not None else (MLP_PLAN if family == "mlp" else "auto")
-    model = accel.prepare_model(model, tp_plan=tp_plan)
+    model = accel.prepare_model(model, tp_plan=tp_plan, **prepare_options)
     lr = 0.01 if family == "mlp" else 0.001
     optimizer = accel.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=lr))
     if load is not None:
@@ -106,11 +110,14 @@ def train(family: str, steps: int = 3, plan: Any = None, save: str | None = None
     for step, (x, y) in enumerate(loader):
         if step == steps:
             break
-        loss = _loss(family, model, x, y)
-        accel.backward(loss)
-        norms.append(float(accel.clip_grad_norm_(model.parameters(), 0.5)))
-        optimizer.step()
-        optimizer.zero_grad()
+        with accel.accumulate(model):
+            loss = _loss(family, model, x, y)
+            accel.backward(loss)
+            norm = accel.clip_grad_norm_(model.parameters(), 0.5)
+            if accel.sync_gradients():
+                norms.append(float(norm))
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(float(accel.reduce(loss.detach(), reduction="mean")))
     if save is not None:
         accel.save_state(save, model=model, optimizer=optimizer)
@@ -130,3 +137,8 @@ def train(family: str, steps: int = 3, plan: Any = None, save: str | None = None
         "dp": (st.dp_rank, st.dp_world_size),
         "tp": (st.tp_rank, st.tp_world_size),
     }
+
+
+def train_checkpointed(family: str, steps: int) -> dict[str, Any]:
+    """:func:`train` with activation checkpointing on the model's blocks."""
+    return train(family, steps, activation_checkpointing=True)

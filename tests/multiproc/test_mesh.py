@@ -1,0 +1,145 @@
+"""Training on N-D meshes (TP, TP x FSDP, HSDP, TP x replicas) equals one process.
+
+Every run trains the same model on the same global batches (fp32) and compares with one
+process: the full weights after the steps, each step's global gradient norm and loss, and the
+predictions ``gather_for_metrics`` returns (each sample once, in order). Checkpoints saved on
+a TP2 x FSDP2 mesh resume on other meshes and in a plain single-process model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from accel.testing import run_distributed
+from tests import mesh_models as mm
+
+HF = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="transformers not installed"
+)
+MESHES = {
+    "tp2xfsdp2": {"tp_size": 2, "dp_shard_size": 2},
+    "hsdp2x2": {"dp_replicate_size": 2, "dp_shard_size": 2},
+    "tp4": {"tp_size": 4},
+    "tp2xreplicate2": {"tp_size": 2, "dp_replicate_size": 2},
+}
+SHAPES = {
+    "tp2xfsdp2": (1, 2, 2), "hsdp2x2": (2, 2, 1), "tp4": (1, 1, 4), "tp2xreplicate2": (2, 1, 2),
+}
+_REFERENCE: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def _one_process(family: str, steps: int = 3, gas: int = 1) -> dict[str, Any]:
+    key = (family, steps, gas)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = run_distributed(
+            mm.train, family, steps, world_size=1, timeout=240, gradient_accumulation_steps=gas
+        )[0]
+    return _REFERENCE[key]
+
+
+def _assert_same(got: dict[str, Any], want: dict[str, Any], atol: float = 1e-5) -> None:
+    assert got["weights"].keys() == want["weights"].keys()
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(got["weights"][name], value, atol=atol, rtol=1e-5, msg=name)
+    assert got["norms"] == pytest.approx(want["norms"], abs=1e-5)
+    assert got["losses"] == pytest.approx(want["losses"], abs=1e-5)
+    assert got["predictions"].shape == want["predictions"].shape  # each sample once
+    torch.testing.assert_close(got["predictions"], want["predictions"], atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_mlp_on_a_mesh_equals_one_process(mesh: str) -> None:
+    out = run_distributed(mm.train, "mlp", world_size=4, timeout=240, **MESHES[mesh])
+    _assert_same(out[0], _one_process("mlp"))
+    shape = SHAPES[mesh]
+    assert [o["mesh"] for o in out] == [shape] * 4
+    tp = shape[2]
+    assert [o["tp"] for o in out] == [(r % tp, tp) for r in range(4)]
+    assert [o["dp"] for o in out] == [(r // tp, 4 // tp) for r in range(4)]
+    for other in out[1:]:  # every rank sees the same global results
+        assert other["losses"] == out[0]["losses"]
+        torch.testing.assert_close(other["predictions"], out[0]["predictions"])
+
+
+def test_tensor_parallel_on_two_processes_equals_one_process() -> None:
+    out = run_distributed(mm.train, "mlp", world_size=2, timeout=240, tp_size=2)
+    _assert_same(out[0], _one_process("mlp"))
+    assert [o["dp"] for o in out] == [(0, 1), (0, 1)]
+
+
+def test_accumulation_and_activation_checkpointing_on_tp_x_fsdp() -> None:
+    want = _one_process("mlp", steps=4, gas=2)
+    out = run_distributed(
+        mm.train_checkpointed, "mlp", 4, world_size=4, timeout=240,
+        gradient_accumulation_steps=2, **MESHES["tp2xfsdp2"],
+    )
+    _assert_same(out[0], want)
+    assert len(out[0]["norms"]) == 2  # clipped on the two sync steps
+
+
+@HF
+@pytest.mark.parametrize(
+    "mesh", ["tp2xfsdp2", pytest.param("tp4", marks=pytest.mark.slow),
+             pytest.param("tp2xreplicate2", marks=pytest.mark.slow)],
+)
+def test_llama_with_its_own_plan_equals_one_process(mesh: str) -> None:
+    out = run_distributed(mm.train, "llama", world_size=4, timeout=300, **MESHES[mesh])
+    _assert_same(out[0], _one_process("llama"))
+
+
+@HF
+def test_tied_llama_keeps_its_tie_under_tensor_parallel() -> None:
+    out = run_distributed(mm.train, "llama-tied", world_size=2, timeout=300, tp_size=2)
+    want = _one_process("llama-tied")
+    _assert_same(out[0], want)
+    assert "lm_head.weight" not in want["weights"] or torch.equal(
+        out[0]["weights"]["lm_head.weight"], out[0]["weights"]["model.embed_tokens.weight"]
+    )
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("mesh_ckpt")
+    run_distributed(mm.train, "mlp", 3, None, str(root / "ref"), world_size=1, timeout=240)
+    want = run_distributed(
+        mm.train, "mlp", 3, None, None, str(root / "ref"), world_size=1, timeout=240
+    )[0]
+    run_distributed(mm.train, "mlp", 3, None, str(root / "tp2xfsdp2"), world_size=4,
+                    timeout=240, **MESHES["tp2xfsdp2"])
+    return {"root": root, "want": want}
+
+
+@pytest.mark.parametrize(
+    ("world", "sizes"),
+    [(1, {}), (4, {"dp_shard_size": 4}), (4, MESHES["hsdp2x2"]), (4, MESHES["tp4"]),
+     (2, {"tp_size": 2}), (4, MESHES["tp2xfsdp2"])],
+    ids=["plain-1", "fsdp4", "hsdp2x2", "tp4", "tp2", "tp2xfsdp2"],
+)
+def test_tp_x_fsdp_checkpoint_resumes_on_any_mesh(
+    saved: dict[str, Any], world: int, sizes: dict[str, int]
+) -> None:
+    out = run_distributed(
+        mm.train, "mlp", 3, None, None, str(saved["root"] / "tp2xfsdp2"), world_size=world,
+        timeout=240, **sizes,
+    )
+    _assert_same(out[0], saved["want"])
+
+
+def test_each_piece_is_written_once(saved: dict[str, Any]) -> None:
+    """Layers left whole are FSDP-sharded identically on both TP ranks: stored once."""
+    import json
+
+    root: Path = saved["root"] / "tp2xfsdp2"
+    seen: dict[str, list[tuple[list[int], list[int]]]] = {}
+    for rank in range(4):
+        meta = json.loads((root / f"model__shards_rank{rank}.json").read_text())
+        for key, where in meta["extra"]["pieces"].items():
+            seen.setdefault(key, []).append((where["offset"], where["shape"]))
+    assert seen["inp.weight"] == [([0, 0], [8, 8]), ([8, 0], [8, 8])]  # dp_shard pieces only
+    up = sorted(seen["blocks.0.up.weight"])
+    assert len(up) == 4 and len({tuple(o) for o, _ in up}) == 4  # TP x FSDP: 4 distinct
