@@ -213,6 +213,25 @@ def _fsdp(config: Any) -> list[Outcome]:
     return found
 
 
+def _parallelism(
+    config: Mapping[str, Any], origin: str, settings: dict[str, object]
+) -> list[Outcome]:
+    """``parallelism_config``'s mesh sizes as accel's ``*_size`` settings (into ``settings``)."""
+    found = []
+    for key, value in config.items():
+        name = f"parallelism_config.{key}"
+        size = str(key).removeprefix("parallelism_config_")
+        if size in ("dp_replicate_size", "dp_shard_size", "tp_size"):
+            settings[size] = validate_setting(size, value, f"{origin}: {name}")
+            found.append(Outcome(name, value, "mapped", size, "", settings[size]))
+        elif size == "cp_size" and value in (None, 1):
+            found.append(Outcome(name, value, "not needed", reason="no context parallelism"))
+        else:
+            found.append(Outcome(name, value, "not imported", reason=(
+                "accel has no context or sequence parallelism (cp/sp sizes and backends)")))
+    return found
+
+
 def _other(key: str, value: Any) -> Outcome:
     if _empty(value):
         return Outcome(key, value, "not needed", reason="the value is what accel does anyway")
@@ -230,8 +249,7 @@ def _other(key: str, value: Any) -> Outcome:
         "fp8_config": "accel has no fp8 backend (mixed_precision='fp8' runs as bf16)",
         "deepspeed_config": "accel has no DeepSpeed integration; use DDP or FSDP",
         "megatron_lm_config": "accel has no Megatron-LM integration",
-        "parallelism_config": "accel does data parallelism only (no tensor, context or "
-        "sequence parallel mesh)",
+        "parallelism_config": "not a mapping of parallelism_config_* sizes",
         "mpirun_config": "run `mpirun -hostfile F -n N python train.py` yourself; "
         "accel.distributed() reads the MPI variables",
     }
@@ -301,6 +319,15 @@ def map_keys(data: Mapping[str, Any], origin: str) -> tuple[dict[str, object], l
         elif key == "fsdp_config":
             outcomes += _fsdp(value) if value else [
                 Outcome(key, value, "not needed", reason="empty")]
+            if isinstance(value, Mapping) and value.get("fsdp_activation_checkpointing") is True:
+                settings["activation_checkpointing"] = True
+                outcomes = [o for o in outcomes
+                            if o.key != "fsdp_config.fsdp_activation_checkpointing"]
+                outcomes.append(Outcome(
+                    "fsdp_config.fsdp_activation_checkpointing", True, "mapped",
+                    "activation_checkpointing", "the blocks FSDP shards", True))
+        elif key == "parallelism_config" and isinstance(value, Mapping):
+            outcomes += _parallelism(value, origin, settings)
         else:
             outcomes.append(_other(key, value))
     check_consistency(settings, origin)

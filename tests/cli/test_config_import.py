@@ -269,3 +269,48 @@ def test_a_file_written_by_accelerate_config_default(
     assert settings["mixed_precision"] == "bf16"
     assert settings["strategy"] in ("none", "ddp")
     assert "not imported" not in out  # a default config holds nothing accel lacks
+
+
+def test_parallelism_config_and_activation_checkpointing_are_mapped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _write(tmp_path, """\
+        distributed_type: FSDP
+        num_processes: 8
+        fsdp_config:
+          fsdp_version: 2
+          fsdp_activation_checkpointing: true
+        parallelism_config:
+          parallelism_config_dp_replicate_size: 2
+          parallelism_config_dp_shard_size: 2
+          parallelism_config_tp_size: 2
+          parallelism_config_cp_size: 1
+    """)
+    target = tmp_path / "accel.toml"
+    code, out, _ = _import(capsys, str(source), "--config-file", str(target))
+    assert code == 0, out
+    assert load_config(target) == {
+        "strategy": "fsdp", "num_processes": 8, "dp_replicate_size": 2, "dp_shard_size": 2,
+        "tp_size": 2, "activation_checkpointing": True,
+    }
+    assert "parallelism_config.parallelism_config_tp_size: 2 -> tp_size = 2" in out
+    assert "parallelism_config.parallelism_config_cp_size: 1 not needed" in out
+    assert "fsdp_config.fsdp_activation_checkpointing: True -> activation_checkpointing = " \
+           "true (the blocks FSDP shards)" in out
+
+
+def test_context_parallelism_is_not_imported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _write(tmp_path, """\
+        distributed_type: FSDP
+        parallelism_config:
+          parallelism_config_cp_size: 2
+          parallelism_config_cp_comm_strategy: allgather
+    """)
+    target = tmp_path / "accel.toml"
+    code, out, _ = _import(capsys, str(source), "--config-file", str(target))
+    assert code == 0, out
+    assert load_config(target) == {"strategy": "fsdp"}
+    assert "parallelism_config.parallelism_config_cp_size: 2 not imported: accel has no " \
+           "context or sequence parallelism" in out
