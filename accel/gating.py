@@ -12,9 +12,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, TypeVar, overload
-
-from typing_extensions import ParamSpec
+from typing import Any, ParamSpec, TypeVar, overload
 
 from accel._state import ProcessState, gated, state
 from accel.collectives import begin, gather_object, wait_for_everyone
