@@ -28,6 +28,7 @@ __all__ = [
     "adopt_sharded_parameters",
     "check_optimizer_parameters",
     "clip_by_total_norm",
+    "layout_groups",
     "mark_replaced",
     "plain_norm",
     "set_gradient_sync",
@@ -189,7 +190,7 @@ def plain_norm(norm: torch.Tensor) -> torch.Tensor:
     return norm if full is None else full()
 
 
-def _layout_groups(params: list[Any]) -> list[list[Any]]:
+def layout_groups(params: list[Any]) -> list[list[Any]]:
     """``params`` with gradients, grouped by their gradients' mesh and placements (plain
     tensors together), in first-seen order: the same on every rank."""
     groups: dict[object, list[Any]] = {}
@@ -217,7 +218,7 @@ def clip_by_total_norm(
     Example:
         >>> norm = clip_by_total_norm(list(model.parameters()), 1.0, 2.0)
     """
-    groups = _layout_groups(params)
+    groups = layout_groups(params)
     if len(groups) <= 1:
         grads = [p.grad for p in params if p.grad is not None]
         if max_norm is None:

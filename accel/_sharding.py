@@ -28,7 +28,7 @@ from accel._epochs import Reseeder
 from accel._rounds import FinalRound, Recorder, grow, skip_first, split_counts
 from accel.errors import ConfigError
 
-__all__ = ["FinalRound", "ShardSpec", "ShardedBatchSampler"]
+__all__ = ["ShardSpec", "ShardedBatchSampler"]
 
 Batch = list[Any]
 

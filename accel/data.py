@@ -35,8 +35,7 @@ from accel._loader_dispatch import dispatch_map, dispatch_stream
 from accel._loader_shard import shard_mode
 from accel._loader_stream import stream_mode
 from accel._state import state
-from accel.errors import ConfigError
-from accel.errors import DataLoaderTypeError as DataLoaderTypeError
+from accel.errors import ConfigError, DataLoaderTypeError
 
 __all__ = ["PreparedDataLoader", "prepare_data_loader", "skip_first_batches"]
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from accel._sharding import FinalRound
+from accel._rounds import FinalRound
 from accel._state import scope, state
 from accel._tree import first_non_tensor, map_tensors, tensor_leaves, zip_map_tensors
 from accel.collectives import gather, gather_object, refuse_gated

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from accel._fsdp_params import check_optimizer_parameters, clip_by_total_norm
+from accel._fsdp_params import check_optimizer_parameters, clip_by_total_norm, layout_groups
 from accel._state import scope, state
 from accel.errors import ArgumentTypeError, NotPicklableError
 
@@ -157,6 +158,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
             if closure is None:
                 return self.optimizer.step()
             return self.optimizer.step(closure)
+        if state().mesh is not None:
+            _agree_on_overflow(scaler, self.optimizer, unscaled=self._unscaled)
         if self._hook is not None:
             self._stepped = False
             result = scaler.step(self.optimizer) if closure is None else scaler.step(
@@ -173,6 +176,66 @@ class PreparedOptimizer(torch.optim.Optimizer):
             self.step_was_skipped = scaler.get_scale() < before
         self._unscaled = False
         return result
+
+
+def mesh_unscale(scaler: torch.amp.GradScaler, optimizer: Any) -> None:
+    """``scaler.unscale_(optimizer)``, also where gradients of several layouts sit together.
+
+    A tensor-parallel model's optimizer holds plain gradients (layers left whole, the same on
+    every TP rank) beside DTensor gradients on one or two meshes; torch's unscale takes one
+    kind per call. Under an N-D mesh each layout group is unscaled on its own (with torch's
+    own per-group step, so its overflow check reduces over the group's mesh) and the
+    overflow flags are merged per device, as ``unscale_`` records them.
+
+    Example:
+        >>> mesh_unscale(scaler, optimizer)
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    groups = layout_groups(params) if state().mesh is not None else []
+    if len(groups) <= 1 or not scaler.is_enabled():
+        scaler.unscale_(optimizer)
+        return
+    from torch.amp.grad_scaler import OptState
+
+    record = scaler._per_optimizer_states[id(optimizer)]
+    if record["stage"] is not OptState.READY:
+        scaler.unscale_(optimizer)  # torch says what is wrong (unscaled twice, after step)
+        return
+    scale = scaler._scale
+    assert scale is not None
+    inv_scale = scale.double().reciprocal().float()
+    found: dict[torch.device, torch.Tensor] = {}
+    for group in groups:
+        proxy = SimpleNamespace(param_groups=[{"params": group}])
+        flag = torch.zeros((), dtype=torch.float32, device=scale.device)
+        for device, value in scaler._unscale_grads_(
+            proxy, inv_scale, flag, False  # type: ignore[arg-type]
+        ).items():
+            found[device] = value if device not in found else torch.maximum(found[device], value)
+    record["found_inf_per_device"] = found
+    record["stage"] = OptState.UNSCALED
+
+
+def _agree_on_overflow(scaler: torch.amp.GradScaler, optimizer: Any, *, unscaled: bool) -> None:
+    """Make every rank of an N-D mesh skip the step when any rank's gradients overflowed.
+
+    Each rank checks only its own pieces of sharded gradients (an inf in one TP or FSDP shard
+    is seen by one rank), and torch's check reduces over one mesh per call; without this, one
+    rank would skip the step while the others took it. One all-reduce of one flag per fp16
+    step, only under a mesh.
+    """
+    import torch.distributed as dist
+
+    if not unscaled:
+        mesh_unscale(scaler, optimizer)  # records found_inf per device (scaler.step reuses it)
+    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+    if not found:
+        return
+    values = list(found.values())
+    flag = torch.stack([v.to(values[0].device).reshape(()) for v in values]).amax()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    for value in values:
+        value.copy_(flag.to(value.device))
 
 
 def active_scaler() -> torch.amp.GradScaler | None:
@@ -369,11 +432,11 @@ def unscale_gradients(optimizer: Any = None) -> None:
     for target in targets:
         prepared = _find_prepared(target)
         if prepared is None:  # not prepared: the caller manages the scaler's stage
-            scaler.unscale_(target)
+            mesh_unscale(scaler, target)
             continue
         if prepared.scaler is None or prepared._unscaled:
             continue
-        prepared.scaler.unscale_(prepared.optimizer)
+        mesh_unscale(prepared.scaler, prepared.optimizer)
         prepared._unscaled = True
 
 
@@ -434,12 +497,3 @@ def clip_grad_value_(parameters: Params, clip_value: float) -> None:
         return
     unscale_gradients()
     torch.nn.utils.clip_grad_value_(_as_list(parameters), clip_value)
-
-
-def __getattr__(name: str) -> Any:
-    """``PreparedScheduler``/``prepare_scheduler`` moved to :mod:`accel.scheduling`."""
-    if name in ("PreparedScheduler", "prepare_scheduler"):
-        from accel import scheduling
-
-        return getattr(scheduling, name)
-    raise AttributeError(f"module 'accel.optim' has no attribute {name!r}")

@@ -142,3 +142,20 @@ def train(family: str, steps: int = 3, plan: Any = None, save: str | None = None
 def train_checkpointed(family: str, steps: int) -> dict[str, Any]:
     """:func:`train` with activation checkpointing on the model's blocks."""
     return train(family, steps, activation_checkpointing=True)
+
+
+def overflow_on_one_rank(bad_rank: int) -> dict[str, Any]:
+    """One fp16 step where only ``bad_rank``'s local gradient piece holds an inf."""
+    model = accel.prepare_model(make("mlp"), tp_plan=MLP_PLAN)
+    optimizer = accel.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = (t[:BATCH] for t in _data("mlp").tensors)
+    accel.backward(_loss("mlp", model, x, y))
+    if accel.state().rank == bad_rank:
+        grad = model.inp.weight.grad  # a layer left whole: FSDP-sharded over dp_shard only
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        local.view(-1)[0] = float("inf")
+    before = {k: v.clone() for k, v in accel.get_state_dict(model).items()}
+    optimizer.step()
+    after = accel.get_state_dict(model)
+    return {"skipped": accel.optimizer_step_was_skipped(optimizer),
+            "changed": any(not torch.equal(before[k], after[k]) for k in before)}

@@ -143,3 +143,25 @@ def test_each_piece_is_written_once(saved: dict[str, Any]) -> None:
     assert seen["inp.weight"] == [([0, 0], [8, 8]), ([8, 0], [8, 8])]  # dp_shard pieces only
     up = sorted(seen["blocks.0.up.weight"])
     assert len(up) == 4 and len({tuple(o) for o, _ in up}) == 4  # TP x FSDP: 4 distinct
+
+
+@pytest.mark.parametrize("mesh", ["tp2xfsdp2", "tp4", "tp2xreplicate2"])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(mesh: str) -> None:
+    """An inf in one rank's piece of a layer left whole (FSDP-sharded over dp_shard only, so
+    torch's own check reduces over half the ranks): every rank skips, no weight changes."""
+    out = run_distributed(mm.overflow_on_one_rank, 1, world_size=4, timeout=240,
+                          mixed_precision="fp16", **MESHES[mesh])
+    assert out == [{"skipped": True, "changed": False}] * 4
+
+
+def test_mixed_precision_on_tp_x_fsdp_trains_close_to_one_process() -> None:
+    want = _one_process_mixed("bf16")
+    out = run_distributed(mm.train, "mlp", world_size=4, timeout=240, mixed_precision="bf16",
+                          **MESHES["tp2xfsdp2"])
+    assert out[0]["losses"] == pytest.approx(want["losses"], rel=5e-3)
+    assert out[0]["norms"] == pytest.approx(want["norms"], rel=5e-3)
+
+
+def _one_process_mixed(mixed_precision: str) -> dict[str, Any]:
+    return run_distributed(mm.train, "mlp", world_size=1, timeout=240,
+                           mixed_precision=mixed_precision)[0]
