@@ -1,7 +1,13 @@
-"""Autouse guards: a test must not leak accel state, a process group, env vars or threads."""
+"""Autouse guards: a test must not leak accel state, a process group, env vars or threads.
+
+Also: the modules named by the ``preload`` marks of the selected tests are imported once by
+the warm server that forks the processes of ``run_distributed``/``run_script``
+(:func:`accel.testing.preload`), instead of once in every such process.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 from collections.abc import Iterator
@@ -11,6 +17,8 @@ import torch.distributed as dist
 
 from accel import _state
 from accel.big_model import init as _big_model_init
+from accel.errors import ConfigError
+from accel.testing import preload
 from accel.trackers import _RUN as _TRACKING_RUN
 
 # every ContextVar accel owns, with the value it holds outside any accel block
@@ -21,6 +29,26 @@ _CONTEXT_VARS = {
     "accel.big_model.init._CURRENT (init_empty_weights)": (_big_model_init._CURRENT, None),
     "accel.trackers._RUN (the tracking run)": (_TRACKING_RUN, None),
 }
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Preload what the selected tests' worker processes import (their ``preload`` marks).
+
+    Runs after selection (``-m``/``-k``), before any test: only the modules of tests that
+    will run are preloaded (``-m "not slow"`` does not pay for transformers unless a test
+    it runs needs it), and the server has not started yet. Modules not installed are left
+    out (their tests skip).
+    """
+    wanted: dict[str, None] = {}
+    for item in session.items:
+        for mark in item.iter_markers("preload"):
+            wanted.update(dict.fromkeys(mark.args))
+    for name in wanted:
+        if importlib.util.find_spec(name.partition(".")[0]) is not None:
+            try:
+                preload(name)
+            except ConfigError:  # a submodule this version of the package lacks
+                pass
 
 
 def _environ() -> dict[str, str]:

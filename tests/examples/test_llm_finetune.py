@@ -1,9 +1,13 @@
 """examples/llm_finetune.py: stopped by SIGTERM on 2 processes, resumed on 1, checked on 1.
 
-A 2-process FSDP + bf16 run (gradient accumulation 2, HF gradient checkpointing) gets SIGTERM
-through `accel launch` after its second step: every rank saves at the same step and exits 0.
-The same command with `--resume --grad-accum 4` continues on one process (the same global
-batch of 16 sequences) to the last step and writes the final weights. Then, in this process:
+A 2-process FSDP + bf16 run (gradient accumulation 2, HF gradient checkpointing), started as
+`accel launch --nproc-per-node 2 --cpu` starts it, gets SIGTERM on every rank (what the
+launcher forwards) after its second step: every rank saves at the same step and exits 0.
+The same command with `--resume --grad-accum 4` continues on one process (`python
+llm_finetune.py`: the same global batch of 16 sequences) to the last step and writes the
+final weights. Both runs fork from warm workers with torch and transformers imported
+(`accel.testing.start_script`/`run_script`; the launcher's own signal forwarding is tested in
+tests/cli/test_preemption_launch.py). Then, in this process:
 
 - the checkpoint's model, AdamW state and schedule, loaded into a plain model, give the loss
   the resumed run printed for its first step on the global batches the 2 processes had not
@@ -20,10 +24,6 @@ import os
 import pathlib
 import re
 import signal
-import subprocess
-import sys
-import threading
-import time
 from types import ModuleType
 
 import pytest
@@ -31,8 +31,12 @@ import torch
 from torch.utils.data import DataLoader
 
 import accel
+from accel.testing import ScriptResult, run_script, start_script
 
 transformers = pytest.importorskip("transformers")
+# the example's transformers, imported once by the warm server instead of in each process
+pytestmark = pytest.mark.preload("transformers", "transformers.models.llama.modeling_llama",
+                                 "transformers.models.gpt2.modeling_gpt2")
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "llm_finetune.py"
 MAX_STEPS = 10
@@ -53,47 +57,16 @@ def _example() -> ModuleType:
     return module
 
 
-def _env() -> dict[str, str]:
+def _env() -> dict[str, str | None]:
+    """This process's environment less launcher variables, one thread per process."""
     drop = ("ACCEL_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    removed: dict[str, str | None] = {k: None for k in os.environ if k.startswith(drop)}
+    return {**removed, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-class Background:
-    """A command running in the background, its output collected line by line."""
-
-    def __init__(self, cmd: list[str], cwd: pathlib.Path) -> None:
-        self.proc = subprocess.Popen(cmd, cwd=cwd, env=_env(), text=True, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        while not re.search(pattern, self.output, flags=re.MULTILINE):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.finish(0)
-                pytest.fail(f"never saw {pattern!r}; output:\n{self.output[-4000:]}")
-            time.sleep(0.05)
-
-    def finish(self, timeout: float = 240) -> int:
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: the launcher + workers
-            self.proc.wait(30)
-        self._reader.join(10)
-        return self.proc.returncode
+def _text(done: ScriptResult) -> str:
+    """Every rank's stdout and stderr, for failure messages."""
+    return "\n".join(out + err for out, err in zip(done.stdout, done.stderr, strict=True))
 
 
 def _losses(output: str) -> dict[int, float]:
@@ -126,19 +99,20 @@ def test_stopped_on_two_processes_resumed_on_one(case: str, tmp_path: pathlib.Pa
     flags = ["--output-dir", str(out), "--max-steps", str(MAX_STEPS), "--save-every", "3",
              "--eval-every", "0", *CASES[case]]
 
-    first = Background([sys.executable, "-m", "accel.launch", "--nproc-per-node", "2", "--cpu",
-                        str(EXAMPLE), *flags], tmp_path)
-    first.wait_for(r"^step 2 loss")
-    first.proc.send_signal(signal.SIGTERM)
-    assert first.finish() == 0, first.output[-4000:]
-    assert "all 2 workers exited 0" in first.output, first.output[-3000:]
-    saved = re.findall(r"^stop requested: saved step (\d+), exiting$", first.output,
+    with start_script(EXAMPLE, *flags, world_size=2, env=_env(), cwd=tmp_path,
+                      timeout=300) as run:
+        run.wait_for("step 2 loss")
+        run.send_signal(signal.SIGTERM)  # every rank, as the launcher forwards it
+        first = run.wait(check=False)
+    assert first.exit_codes == (0, 0), _text(first)[-4000:]  # all 2 workers exited 0
+    output = first.output
+    saved = re.findall(r"^stop requested: saved step (\d+), exiting$", output,
                        flags=re.MULTILINE)
-    assert len(saved) == 1, first.output[-3000:]  # printed once (main process)
+    assert len(saved) == 1, output[-3000:]  # printed once (main process)
     stopped_at = int(saved[0])
-    assert 2 <= stopped_at < MAX_STEPS - 1, first.output[-3000:]
-    assert sorted(_losses(first.output)) == list(range(1, stopped_at + 1))
-    assert "finished at step" not in first.output
+    assert 2 <= stopped_at < MAX_STEPS - 1, output[-3000:]
+    assert sorted(_losses(output)) == list(range(1, stopped_at + 1))
+    assert "finished at step" not in output
     assert not (out / "final").exists()
     kept = sorted(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("checkpoint_*"))
     assert kept[-1] == stopped_at and len(kept) <= 2, kept  # --total-limit 2 (default)
@@ -146,17 +120,18 @@ def test_stopped_on_two_processes_resumed_on_one(case: str, tmp_path: pathlib.Pa
     # One process, twice the accumulation: the same global batch. No checkpoints of its own
     # (--save-every 0), so that rotation keeps the one loaded below.
     resume = ["--resume", "--grad-accum", "4", "--save-every", "0"]
-    second = subprocess.run([sys.executable, str(EXAMPLE), *flags, *resume], cwd=tmp_path,
-                            env=_env(), capture_output=True, text=True, timeout=300, check=False)
-    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-4000:]
+    done = run_script(EXAMPLE, *flags, *resume, world_size=1, env=_env(), cwd=tmp_path,
+                      timeout=300, check=False, launch=False)
+    assert done.ok, _text(done)[-6000:]
+    stdout = done.stdout[0]
     assert (f"resumed from step {stopped_at} (checkpoint_{stopped_at}, saved on 2 processes, "
-            "running on 1)") in second.stdout, second.stdout[-2000:]
-    resumed = _losses(second.stdout)
-    assert sorted(resumed) == list(range(stopped_at + 1, MAX_STEPS + 1)), second.stdout[-2000:]
-    assert f"finished at step {MAX_STEPS}" in second.stdout
+            "running on 1)") in stdout, stdout[-2000:]
+    resumed = _losses(stdout)
+    assert sorted(resumed) == list(range(stopped_at + 1, MAX_STEPS + 1)), stdout[-2000:]
+    assert f"finished at step {MAX_STEPS}" in stdout
     final_eval = re.findall(rf"^eval loss (\d+\.\d+) perplexity \S+ at step {MAX_STEPS}$",
-                            second.stdout, flags=re.MULTILINE)
-    assert len(final_eval) == 1, second.stdout[-2000:]
+                            stdout, flags=re.MULTILINE)
+    assert len(final_eval) == 1, stdout[-2000:]
 
     args = ex.parse_args(flags)
     batches = _global_batches(ex, args, PER_STEP * (stopped_at + 2))

@@ -37,6 +37,11 @@ CLIP = 1.0  # max gradient norm
 LR = 2e-3  # AdamW: an update's rounding error scales with it; 3 steps still move weights ~5e-3
 
 FAMILIES = ("gpt2", "llama_tied", "llama", "bert", "t5", "mixtral", "llama_lora")
+# What the worker processes of these tests import: the warm server imports it once instead
+# (the ``preload`` mark, tests/conftest.py); ~5-8 s a process on the 2-core machine otherwise.
+PRELOAD = ("transformers", "peft", "transformers.models.gpt2.modeling_gpt2",
+           "transformers.models.llama.modeling_llama", "transformers.models.bert.modeling_bert",
+           "transformers.models.t5.modeling_t5", "transformers.models.mixtral.modeling_mixtral")
 
 
 def quiet_transformers() -> None:

@@ -26,6 +26,7 @@ from tests.hf import _models as M
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytestmark = [
+    pytest.mark.preload(*M.PRELOAD),  # the workers' transformers and peft, imported once
     pytest.mark.slow,  # two launches (2 and 3 processes) for every family
     pytest.mark.filterwarnings("ignore:.*will be removed in v6:FutureWarning"),  # peft's calls
 ]

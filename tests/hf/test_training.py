@@ -23,6 +23,7 @@ from tests.hf import _models as M
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytestmark = [
+    pytest.mark.preload(*M.PRELOAD),  # the workers' transformers and peft, imported once
     pytest.mark.slow,  # one launch of 2 processes trains every family 8 ways
     pytest.mark.filterwarnings("ignore:.*will be removed in v6:FutureWarning"),  # peft's calls
 ]

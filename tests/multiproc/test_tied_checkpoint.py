@@ -21,6 +21,9 @@ import accel
 from accel.testing import run_distributed
 from tests import tied_models as tm
 
+# the gpt2 family's workers import transformers: the warm server does it once (conftest.py)
+pytestmark = pytest.mark.preload("transformers", "transformers.models.gpt2.modeling_gpt2")
+
 STEPS = 2
 FAMILIES = [
     "toy",

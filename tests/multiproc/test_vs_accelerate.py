@@ -21,6 +21,9 @@ from accel.testing import run_script
 accelerate = pytest.importorskip("accelerate")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+# the Accelerate runs import accelerate in both ranks: the warm server does it once (conftest.py)
+pytestmark = pytest.mark.preload("accelerate", "accelerate.accelerator")
+
 SCRIPT = pathlib.Path(__file__).with_name("vs_accelerate_script.py")
 N_SAMPLES = 53
 EPOCHS = 2
