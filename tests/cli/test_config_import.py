@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from accel._config_file import load_config
 from accel.launch.cli import main
+from accel.testing import run_script
 
 pytest.importorskip("yaml")
 
@@ -250,18 +250,21 @@ def test_json_config_needs_no_yaml_and_yaml_without_pyyaml_names_the_extra(
 
 
 @pytest.mark.slow  # runs Accelerate's own CLI
+@pytest.mark.preload("accelerate", "accelerate.commands.accelerate_cli")
 def test_a_file_written_by_accelerate_config_default(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("accelerate")
     source = tmp_path / "default_config.yaml"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL", "HF_"))}
-    done = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.accelerate_cli", "config", "default",
-         "--config_file", str(source), "--mixed_precision", "bf16"],
-        capture_output=True, text=True, timeout=240, env=env, check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
+    # `python -m accelerate.commands.accelerate_cli config default ...`, forked from the warm
+    # workers (run_script(launch=False)): raises, quoting its traceback, if it fails
+    cli = tmp_path / "accelerate_cli.py"
+    cli.write_text("import runpy\n"
+                   "runpy.run_module('accelerate.commands.accelerate_cli', run_name='__main__')\n")
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith(("ACCEL", "HF_"))}
+    run_script(cli, "config", "default", "--config_file", str(source), "--mixed_precision",
+               "bf16", world_size=1, launch=False, env=env, cwd=tmp_path, timeout=240)
+    assert source.is_file()
     target = tmp_path / "accel.toml"
     code, out, _ = _import(capsys, str(source), "--config-file", str(target))
     assert code == 0, out

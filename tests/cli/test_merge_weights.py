@@ -22,10 +22,14 @@ from torch import nn
 
 import accel
 from accel.launch.cli import main
-from accel.testing import run_distributed
+from accel.testing import run_distributed, run_script
 from tests.tied_models import gpt2, loss_of, tokens, toy
 
 pytest.importorskip("transformers")
+# what the worker processes import (GPT-2; Accelerate for its own save_state), imported once
+# by the warm server instead (conftest.py)
+pytestmark = pytest.mark.preload("transformers", "transformers.models.gpt2.modeling_gpt2",
+                                 "accelerate")
 
 BIG_LAYERS, BIG_IN, BIG_OUT = 32, 512, 256  # 32 tensors of 512 KiB: 16 MiB of weights
 
@@ -301,19 +305,20 @@ torch.save(accelerator.unwrap_model(model).state_dict(), sys.argv[2])
 
 @pytest.fixture
 def accelerate_dir(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    import subprocess
-    import sys
-
+    """What Accelerate's own ``save_state`` writes, from ``python script.py`` (forked from
+    the warm workers: ``run_script(launch=False)``)."""
     pytest.importorskip("accelerate")
     target, weights = tmp_path / "acc_ckpt", tmp_path / "weights.pt"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCEL", "RANK", "WORLD"))}
-    done = subprocess.run([sys.executable, "-c", _ACCELERATE_SCRIPT, str(target), str(weights)],
-                          capture_output=True, text=True, timeout=240, env=env, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    script = tmp_path / "accelerate_save.py"
+    script.write_text(_ACCELERATE_SCRIPT)
+    env: dict[str, str | None] = {k: None for k in os.environ
+                                  if k.startswith(("ACCEL", "RANK", "WORLD"))}
+    run_script(script, str(target), str(weights), world_size=1, launch=False, env=env,
+               cwd=tmp_path, timeout=240)  # raises, quoting the traceback, if it fails
     return target, torch.load(weights, weights_only=True)
 
 
-@pytest.mark.slow  # starts Python with Accelerate
+@pytest.mark.slow  # runs a script with Accelerate
 def test_a_real_accelerate_save_state(
     accelerate_dir: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:

@@ -9,10 +9,7 @@ reuses are never ones autograd (or the caller) still holds.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -22,6 +19,7 @@ from torch import nn
 
 import accel
 from accel.big_model import offload
+from accel.testing import run_script
 
 _CHILD = textwrap.dedent(
     """
@@ -82,12 +80,17 @@ _CHILD = textwrap.dedent(
 
 
 def _run(case: str, root: Path) -> str:
-    done = subprocess.run([sys.executable, "-c", _CHILD, case, os.fspath(root)],
-                          capture_output=True, text=True, timeout=300, check=False)
-    out = done.stdout + done.stderr
-    if done.returncode < 0:
-        pytest.fail(f"the child died by {signal.Signals(-done.returncode).name}: {out}")
-    assert done.returncode == 0, out
+    """The case as ``python child.py CASE ROOT``, forked from the warm workers (torch and
+    accel imported once): its output, or a failure naming the signal that killed it."""
+    child = root / "child.py"
+    child.write_text(_CHILD)
+    done = run_script(child, case, str(root), world_size=1, launch=False, cwd=root,
+                      timeout=300, check=False)
+    (code,) = done.exit_codes
+    out = done.stdout[0] + done.stderr[0]
+    if code < 0:
+        pytest.fail(f"the child died by {signal.Signals(-code).name}: {out}")
+    assert code == 0, out
     return out
 
 
