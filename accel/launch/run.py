@@ -99,6 +99,9 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     where.add_argument("-t", "--tee", metavar="SPEC", help="torchrun --tee")
     where.add_argument("--local-ranks-filter", "--local_ranks_filter", metavar="RANKS",
                        help="show the output of these local ranks only")
+    where.add_argument("--use-parallelism-config", "--use_parallelism_config",
+                       action="store_true",
+                       help="accepted for Accelerate compatibility (implied by the mesh sizes)")
     where.add_argument("--multi-gpu", "--multi_gpu", action="store_true",
                        help="accepted for Accelerate compatibility (implied)")
     policy = parser.add_argument_group("training options (reach accel.distributed())")

@@ -135,9 +135,9 @@ def _estimate(ns: argparse.Namespace) -> int:
 
     if ns.tp_size is not None and ns.tp_size != 1:
         raise ConfigError(
-            f"--tp-size {ns.tp_size}: tensor parallelism is not supported yet; accel does data "
-            "parallelism only (DDP, FSDP), so there is no tensor-parallel layout to estimate. "
-            "Leave --tp-size out (or give 1), and use --strategy fsdp to split the state."
+            f"--tp-size {ns.tp_size}: estimate-memory does not estimate tensor-parallel "
+            "layouts yet (training with tp_size works: docs/parallelism.md). Leave --tp-size "
+            "out (or give 1), and use --strategy fsdp to estimate the data-parallel split."
         )
     report = estimate_memory(
         ns.model, dtypes=ns.dtypes, world_size=ns.world_size, strategy=ns.strategy,

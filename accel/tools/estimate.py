@@ -20,7 +20,7 @@ For each dtype asked for:
 * **device map** (with ``max_memory``): where :func:`accel.infer_auto_device_map` would place
   the model in that dtype.
 
-Tensor parallelism is not estimated: accel does data parallelism only (DDP, FSDP).
+Tensor-parallel layouts (``tp_size``) are not estimated yet: only the data-parallel split.
 """
 
 from __future__ import annotations

@@ -206,7 +206,7 @@ def test_text_output_has_a_column_per_dtype(
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--tp-size", "2"], "tensor parallelism is not supported yet"),
+    (["--tp-size", "2"], "does not estimate tensor-parallel layouts yet"),
     (["--dtypes", "int3"], "dtype 'int3' is not one accel estimates"),
     (["--world-size", "0"], "world_size=0 is invalid"),
     (["--max-memory", "cpu"], "is not DEVICE=SIZE"),
