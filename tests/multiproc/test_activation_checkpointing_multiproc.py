@@ -119,6 +119,7 @@ def _body(strategy: str, directory: str) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.slow  # each rank compiles every block with inductor: 6-7 s a strategy
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_checkpointing_and_regional_compile_across_two_processes(
     strategy: str, tmp_path: Path
