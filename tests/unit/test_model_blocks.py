@@ -83,6 +83,7 @@ def _shard_gpt2() -> list[str]:
     return [r for r in records if r.startswith("FSDP shards")]
 
 
+@pytest.mark.preload("transformers", "transformers.models.gpt2.modeling_gpt2")  # workers
 def test_fsdp_says_which_blocks_it_shards() -> None:
     from accel.testing import run_distributed
 
