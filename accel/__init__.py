@@ -5,8 +5,9 @@ functions (``accel.prepare``, ``accel.backward``, ``accel.gather``...) read.
 
 The top level holds the functions a training script calls, :class:`AccelError` and the errors
 scripts catch; every other error is in :mod:`accel.errors`. The subpackages
-(``accel.big_model``, ``accel.checkpoint``, ``accel.launch``, ``accel.tools``,
-``accel.trackers``) and ``accel.testing`` are attributes of the package.
+(``accel.big_model``, ``accel.checkpoint``, ``accel.data``, ``accel.launch``,
+``accel.parallel``, ``accel.tools``, ``accel.trackers``) and ``accel.testing`` are attributes
+of the package.
 
 Importing accel is cheap: the submodules (and torch) load on first use of a name.
 """
@@ -71,7 +72,7 @@ _LAZY: dict[str, str] = {
     "sync_gradients": "accel.accumulation",
     "no_sync": "accel.accumulation",
     "trigger_sync_in_backward": "accel.accumulation",
-    "LocalSGD": "accel.local_sgd",
+    "LocalSGD": "accel.parallel.local_sgd",
     "prepare_data_loader": "accel.data",
     "skip_first_batches": "accel.data",
     # checkpoints
@@ -125,7 +126,9 @@ __all__ = [
 if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diffs small)
     from accel import big_model as big_model
     from accel import checkpoint as checkpoint
+    from accel import data as data
     from accel import launch as launch
+    from accel import parallel as parallel
     from accel import testing as testing
     from accel import tools as tools
     from accel import trackers as trackers
@@ -178,7 +181,6 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.gating import print as print
     from accel.launch.notebook import debug_launcher as debug_launcher
     from accel.launch.notebook import notebook_launcher as notebook_launcher
-    from accel.local_sgd import LocalSGD as LocalSGD
     from accel.memory import find_executable_batch_size as find_executable_batch_size
     from accel.memory import free_memory as free_memory
     from accel.metrics import gather_for_metrics as gather_for_metrics
@@ -189,6 +191,7 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.optim import optimizer_step_was_skipped as optimizer_step_was_skipped
     from accel.optim import prepare_optimizer as prepare_optimizer
     from accel.optim import unscale_gradients as unscale_gradients
+    from accel.parallel.local_sgd import LocalSGD as LocalSGD
     from accel.precision import autocast as autocast
     from accel.preemption import stop_requested as stop_requested
     from accel.preparation import prepare as prepare
@@ -206,7 +209,9 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
 
 # Reached as attributes (`accel.big_model.dispatch_model` after a plain `import accel`),
 # imported on first access. Every subpackage is listed (tests/unit/test_public_api.py checks).
-_SUBMODULES = ("big_model", "checkpoint", "launch", "testing", "tools", "trackers")
+_SUBMODULES = (
+    "big_model", "checkpoint", "data", "launch", "parallel", "testing", "tools", "trackers",
+)
 
 
 def __getattr__(name: str) -> Any:

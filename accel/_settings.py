@@ -117,7 +117,7 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-# DDP options (Accelerate's DistributedDataParallelKwargs); accel._ddp applies them.
+# DDP options (Accelerate's DistributedDataParallelKwargs); accel.parallel._ddp applies them.
 DDP_KEYWORDS = (
     "find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb",
     "broadcast_buffers",

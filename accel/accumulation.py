@@ -25,11 +25,11 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accel._fsdp_params import set_gradient_sync
 from accel._state import scope, state
 from accel.errors import ArgumentTypeError
 from accel.model import _compiled_inner
 from accel.optim import active_scaler
+from accel.parallel._fsdp_params import set_gradient_sync
 
 __all__ = [
     "accumulate",

@@ -1,7 +1,7 @@
 """Per-block wrappers of ``prepare_model``: activation checkpointing and regional compilation.
 
 Both act on the model's blocks: by default the ones FSDP shards one by one
-(:func:`accel.fsdp.default_shard_modules`: the classes the model declares in
+(:func:`accel.parallel.fsdp.default_shard_modules`: the classes the model declares in
 ``_no_split_modules``, else the children of its largest ``nn.ModuleList``/``nn.Sequential``;
 under ``strategy="fsdp"`` with ``shard_modules`` given, those), or the classes named.
 
@@ -155,7 +155,7 @@ def block_targets(
         >>> [type(m).__name__ for m in block_targets(net, True, key="activation_checkpointing")]
         ['Block', 'Block']
     """
-    from accel.fsdp import shard_targets
+    from accel.parallel.fsdp import shard_targets
 
     if choice is False:
         return []

@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from accel._rounds import FinalRound
 from accel._state import scope, state
 from accel._tree import first_non_tensor, map_tensors, tensor_leaves, zip_map_tensors
 from accel.collectives import gather, gather_object, refuse_gated
+from accel.data._rounds import FinalRound
 
 __all__ = ["gather_for_metrics", "merge_gathered_objects", "trim_gathered"]
 

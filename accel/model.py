@@ -1,9 +1,10 @@
 """Prepare a model for the run (device, mixed precision forward, DDP or FSDP2, compile) and
 unwrap it.
 
-FSDP2 (``strategy="fsdp"``, ``torch.distributed.fsdp.fully_shard``) lives in ``accel/fsdp.py``
-(imported only when that strategy is used); this module dispatches to it. Nothing else in the
-training path assumes DDP: accumulation, clipping and the optimizer wrapper work on any module.
+FSDP2 (``strategy="fsdp"``, ``torch.distributed.fsdp.fully_shard``) lives in
+``accel/parallel/fsdp.py`` (imported only when that strategy is used); this module dispatches to
+it. Nothing else in the training path assumes DDP: accumulation, clipping and the optimizer
+wrapper work on any module.
 """
 
 from __future__ import annotations
@@ -17,9 +18,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accel._ddp import DDPOptions, ddp_options, make_ddp, note_ignored
-from accel._ddp_teardown import collect_garbage_at_exit
-from accel._fsdp_params import mark_replaced
 from accel._settings import STRATEGIES
 from accel._state import state
 from accel.blockwise import (
@@ -31,6 +29,9 @@ from accel.blockwise import (
     compile_plan,
 )
 from accel.errors import ArgumentTypeError, ConfigError
+from accel.parallel._ddp import DDPOptions, ddp_options, make_ddp, note_ignored
+from accel.parallel._ddp_teardown import collect_garbage_at_exit
+from accel.parallel._fsdp_params import mark_replaced
 from accel.precision import AutocastForward, autocast_dtype
 
 __all__ = ["is_prepared", "prepare_model", "unwrap_model"]
@@ -127,7 +128,7 @@ def _split_tensor_parallel(model: nn.Module, tp_plan: object, device_placement: 
     """Apply ``tp_plan`` (when given) on the state's mesh; whether the model was split."""
     if tp_plan is None:
         return False
-    from accel.tensor_parallel import apply_tensor_parallel
+    from accel.parallel.tensor_parallel import apply_tensor_parallel
 
     st = state()
     if device_placement:
@@ -244,7 +245,7 @@ def prepare_model(
         chosen = "fsdp" if st.dp_world_size > 1 and not evaluation_mode else "none"
         strategy_options = {}
     if chosen == "fsdp":
-        from accel import fsdp  # torch.distributed.fsdp loads only for this strategy
+        from accel.parallel import fsdp  # torch.distributed.fsdp loads only for this strategy
 
         sharding = fsdp.fsdp_options(st.options, strategy_options)
         shard_modules = sharding.shard_modules

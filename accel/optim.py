@@ -26,9 +26,13 @@ from typing import Any
 
 import torch
 
-from accel._fsdp_params import check_optimizer_parameters, clip_by_total_norm, layout_groups
 from accel._state import scope, state
 from accel.errors import ArgumentTypeError, NotPicklableError
+from accel.parallel._fsdp_params import (
+    check_optimizer_parameters,
+    clip_by_total_norm,
+    layout_groups,
+)
 
 __all__ = [
     "PreparedOptimizer",

@@ -10,9 +10,9 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from accel._fsdp_params import adopt_sharded_parameters
 from accel.model import prepare_model
 from accel.optim import prepare_optimizer
+from accel.parallel._fsdp_params import adopt_sharded_parameters
 from accel.scheduling import prepare_scheduler
 
 __all__ = ["prepare"]

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from accel._config_file import load_config
-from accel._ddp_teardown import release_ddp_reducers
 from accel._env import LaunchEnv, read_launch_env, read_variable
 from accel._settings import (
     BACKENDS,
@@ -39,7 +38,8 @@ from accel._state import (
 )
 from accel.checkpoint._async import pending_saves
 from accel.errors import ConfigError
-from accel.mesh import SIZE_KEYS, build_mesh, mesh_shape
+from accel.parallel._ddp_teardown import release_ddp_reducers
+from accel.parallel.mesh import SIZE_KEYS, build_mesh, mesh_shape
 from accel.preemption import stop_watch_scope
 
 __all__ = ["distributed"]
@@ -320,8 +320,8 @@ def _check_options(options: Mapping[str, Any]) -> None:
     """
     if not options:
         return
-    from accel._ddp import KNOWN_OPTIONS
-    from accel.fsdp import FSDP_OPTIONS
+    from accel.parallel._ddp import KNOWN_OPTIONS
+    from accel.parallel.fsdp import FSDP_OPTIONS
 
     extra = (*KNOWN_OPTIONS, *FSDP_OPTIONS, *MODEL_KEYS)
     for key in options:

@@ -110,7 +110,7 @@ def _largest_layer(model: nn.Module, dtype: torch.dtype) -> dict[str, Any]:
 
 def _fsdp_units(model: nn.Module) -> tuple[list[nn.Parameter], list[list[nn.Parameter]]]:
     """The root unit's parameters and each block's (FSDP's default ``shard_modules``)."""
-    from accel.fsdp import default_shard_modules
+    from accel.parallel.fsdp import default_shard_modules
 
     taken: set[int] = set()
     blocks: list[list[nn.Parameter]] = []

@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
 
-from accel._dispatch import concat_rounds
 from accel._state import ProcessState, Scope, scope, set_state
 from accel.data import (
     PreparedDataLoader,
     prepare_data_loader,
     skip_first_batches,
 )
+from accel.data._broadcast_batches import concat_rounds
 from accel.errors import CheckpointError, ConfigError, DataLoaderTypeError
 
 

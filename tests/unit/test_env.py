@@ -279,7 +279,7 @@ def test_modules_take_the_definitions_from_the_settings_module() -> None:
     import accel._state as state_module
     import accel.launch.config as launch_config
     import accel.launch.run as run_module
-    from accel import _ddp
+    from accel.parallel import _ddp
 
     assert get_args(state_module.MixedPrecision) == MIXED_PRECISION_MODES
     assert get_args(state_module.Strategy) == STRATEGIES

@@ -16,15 +16,15 @@ import torch
 from torch import nn
 
 import accel
-from accel import fsdp
-from accel._fsdp_params import (
+from accel._state import ProcessState, Scope, set_state
+from accel.errors import AccelError, ConfigError, StaleParametersError
+from accel.parallel import fsdp
+from accel.parallel._fsdp_params import (
     adopt_sharded_parameters,
     check_optimizer_parameters,
     mark_replaced,
     plain_norm,
 )
-from accel._state import ProcessState, Scope, set_state
-from accel.errors import AccelError, ConfigError, StaleParametersError
 from accel.precision import AutocastForward
 
 
@@ -163,7 +163,7 @@ def test_one_process_runs_unsharded_with_a_note_once(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fsdp, "_ONE_PROCESS_SAID", type(fsdp._ONE_PROCESS_SAID)())
-    caplog.set_level(logging.INFO, logger="accel.fsdp")
+    caplog.set_level(logging.INFO, logger="accel.parallel.fsdp")
     with fake(strategy="fsdp", mixed_precision="bf16"):
         net = Net()
         model = accel.prepare_model(net, shard_modules=Block)

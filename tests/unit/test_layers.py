@@ -3,7 +3,7 @@
 The import graph is drawn from the source with ``ast``: every ``import``/``from ... import``
 naming an accel module, at module level or inside a function (a lazy import is a dependency
 too). Run this file as a script to print the graph with each module's layer. The page also
-names every module in a group; a module it does not name fails here.
+names every module in a group; a module it does not name fails here. The graph has no cycle.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "accel.launch", "accel.launch.*", "accel.tools", "accel.tools.*", "accel.testing",
     )),
     ("distributed", ("accel.process_group",)),
-    ("features", ()),
+    # named for the page; every module not listed above or below is in this layer too
+    ("features", ("accel.data", "accel.data.*", "accel.parallel", "accel.parallel.*")),
     ("state", ("accel._state",)),
     ("config file", ("accel._config_file",)),
     ("environment", ("accel._env",)),
@@ -105,10 +106,77 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return found
 
 
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of the graph: each group of modules that import each other, directly or not.
+
+    A group is a strongly connected component of more than one module (Tarjan's algorithm,
+    without recursion), sorted; the groups are sorted by their first module.
+    """
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            module, deps = work[-1]
+            dep = next((d for d in deps if d in graph), None)
+            if dep is not None:
+                if dep not in index:
+                    index[dep] = low[dep] = len(index)
+                    stack.append(dep)
+                    on_stack.add(dep)
+                    work.append((dep, iter(sorted(graph[dep]))))
+                elif dep in on_stack:
+                    low[module] = min(low[module], index[dep])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[module])
+            if low[module] == index[module]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == module:
+                        break
+                if len(group) > 1:
+                    cycles.append(sorted(group))
+    return sorted(cycles)
+
+
 def test_imports_only_flow_down() -> None:
     graph = import_graph()
     assert "accel._settings" in graph and "accel.process_group" in graph
     assert upward_imports(graph) == []
+
+
+def test_a_cycle_is_found() -> None:
+    graph = {
+        "accel.a": {"accel.b"}, "accel.b": {"accel.c", "accel.z"}, "accel.c": {"accel.a"},
+        "accel.d": {"accel.d2"}, "accel.d2": {"accel.d"}, "accel.e": {"accel.a"},
+        "accel.z": set(),
+    }
+    assert import_cycles(graph) == [["accel.a", "accel.b", "accel.c"], ["accel.d", "accel.d2"]]
+    assert import_cycles({"accel.a": {"accel.b"}, "accel.b": set()}) == []
+
+
+def test_data_and_parallel_are_independent() -> None:
+    """The loaders know nothing of model parallelism, and the reverse."""
+    graph = import_graph()
+    data = {m for m in graph if m == "accel.data" or m.startswith("accel.data.")}
+    parallel = {m for m in graph if m == "accel.parallel" or m.startswith("accel.parallel.")}
+    assert len(data) >= 10 and len(parallel) >= 7
+    assert not any(graph[m] & parallel for m in data)
+    assert not any(graph[m] & data for m in parallel)
 
 
 def test_the_settings_layer_imports_only_errors() -> None:
@@ -164,6 +232,7 @@ def test_a_module_is_named_in_full_or_after_its_package() -> None:
 @pytest.mark.parametrize(
     ("module", "layer"),
     [("accel", "package"), ("accel.launch.cli", "tools"), ("accel.checkpoint.state", "features"),
+     ("accel.data._loader", "features"), ("accel.parallel.fsdp", "features"),
      ("accel._state", "state"), ("accel.errors", "errors")],
 )
 def test_layer_of(module: str, layer: str) -> None:
@@ -175,4 +244,6 @@ if __name__ == "__main__":  # print the graph, lowest layer first
     for module in sorted(graph, key=lambda m: (-layer_of(m), m)):
         deps = " ".join(sorted(graph[module])) or "-"
         print(f"[{LAYERS[layer_of(module)][0]}] {module} -> {deps}")
-    sys.exit(1 if upward_imports(graph) else 0)
+    for cycle in import_cycles(graph):
+        print("cycle:", " ".join(cycle))
+    sys.exit(1 if upward_imports(graph) or import_cycles(graph) else 0)

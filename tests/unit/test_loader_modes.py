@@ -12,12 +12,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 import accel
-from accel._loader import PreparedDataLoader
-from accel._loader_dispatch import DispatchMode
-from accel._loader_shard import ShardMode
-from accel._loader_stream import StreamMode
 from accel._state import ProcessState, Scope, set_state
 from accel.data import prepare_data_loader
+from accel.data._dispatch_mode import DispatchMode
+from accel.data._loader import PreparedDataLoader
+from accel.data._shard_mode import ShardMode
+from accel.data._stream_mode import StreamMode
 
 ACCEL = Path(accel.__file__).parent
 
@@ -100,8 +100,10 @@ def test_ragged_only_for_variable_size_batches_on_several_ranks() -> None:
 
 
 SPLIT_MODULES = [
-    "data.py", "_loader.py", "_loader_shard.py", "_loader_stream.py", "_loader_dispatch.py",
-    "_sharding.py", "_rounds.py", "_stream_shard.py", "_epochs.py", "_resume.py",
+    "data/__init__.py", "data/_loader.py", "data/_shard_mode.py", "data/_stream_mode.py",
+    "data/_dispatch_mode.py", "data/_batch_sampler.py", "data/_rounds.py",
+    "data/_stream_shard.py", "data/_epoch_seeds.py", "data/_loader_state.py",
+    "data/_broadcast_batches.py",
     "big_model/dispatch.py", "big_model/_apply_map.py", "big_model/device_map.py",
     "big_model/_explicit_map.py", "big_model/_model_walk.py",
 ]

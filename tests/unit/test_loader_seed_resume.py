@@ -18,10 +18,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import accel
-from accel._epochs import Reseeder
-from accel._resume import read_loader_state
 from accel._state import ProcessState, Scope, set_state
 from accel.data import prepare_data_loader, skip_first_batches
+from accel.data._epoch_seeds import Reseeder
+from accel.data._loader_state import read_loader_state
 from accel.errors import CheckpointError
 
 Batches = list[list[int]]

@@ -11,8 +11,8 @@ import torch._dynamo  # imported here: it sets TORCHINDUCTOR_CACHE_DIR (conftest
 from torch import nn
 
 import accel
-from accel import local_sgd as local_sgd_module
 from accel.errors import ConfigError, GatedCollectiveError, NotDistributedError
+from accel.parallel import local_sgd as local_sgd_module
 from accel.testing import fake_state
 
 

@@ -13,8 +13,8 @@ from torch import nn
 import accel
 from accel.errors import ConfigError
 from accel.launch.run import add_launch_options, command_line_settings
-from accel.mesh import MeshShape, mesh_shape
-from accel.tensor_parallel import matching_modules, model_plan, to_style
+from accel.parallel.mesh import MeshShape, mesh_shape
+from accel.parallel.tensor_parallel import matching_modules, model_plan, to_style
 from tests import mesh_models as mm
 
 

@@ -10,10 +10,10 @@ import torch
 from torch.utils.data import DataLoader
 
 import accel.metrics as metrics
-from accel._rounds import FinalRound
 from accel._state import ProcessState, Scope, set_state
 from accel._tree import zip_map_tensors
 from accel.data import prepare_data_loader
+from accel.data._rounds import FinalRound
 from accel.metrics import gather_for_metrics, merge_gathered_objects, trim_gathered
 
 

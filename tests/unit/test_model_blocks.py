@@ -9,8 +9,8 @@ import pytest
 from torch import nn
 
 import accel
-from accel.fsdp import default_shard_modules, describe_blocks, shard_targets
 from accel.model_blocks import declared_blocks
+from accel.parallel.fsdp import default_shard_modules, describe_blocks, shard_targets
 
 
 class Layer(nn.Module):
@@ -76,7 +76,7 @@ def _shard_gpt2() -> list[str]:
         def emit(self, record: logging.LogRecord) -> None:
             records.append(record.getMessage())
 
-    logger = logging.getLogger("accel.fsdp")
+    logger = logging.getLogger("accel.parallel.fsdp")
     logger.addHandler(Keep())
     logger.setLevel(logging.INFO)
     accel.prepare_model(gpt2, strategy="fsdp")

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler
 
-from accel._rounds import FinalRound, dispatch_slice_size, skip_first, split_counts
-from accel._sharding import ShardSpec
-from accel._stream_shard import shard_stream, stream_final_round
+from accel.data._batch_sampler import ShardSpec
+from accel.data._rounds import FinalRound, dispatch_slice_size, skip_first, split_counts
+from accel.data._stream_shard import shard_stream, stream_final_round
 from accel.errors import ConfigError
 from accel.metrics import trim_gathered
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from accel._rounds import FinalRound, dispatch_slice_size, split_counts
 from accel._tree import first_non_tensor, map_tensors, tensor_leaves, zip_map_tensors
+from accel.data._rounds import FinalRound, dispatch_slice_size, split_counts
 from accel.errors import ConfigError, RemoteError
 
 __all__ = ["concat_rounds", "dispatch_rounds"]

@@ -1,11 +1,11 @@
 """Prepared data loaders: per-rank shards, device placement, epochs and exact resume.
 
-:func:`prepare_data_loader` returns a :class:`~accel._loader.PreparedDataLoader`, a real
+:func:`prepare_data_loader` returns a :class:`~accel.data._loader.PreparedDataLoader`, a real
 ``torch.utils.data.DataLoader`` built from the original's options, that yields this rank's
-batches (Accelerate's sharding rules, see :mod:`accel._sharding`) on the state's device. It
-chooses the loader's mode once: shard (map-style datasets, :mod:`accel._loader_shard`),
-stream (iterable datasets, :mod:`accel._loader_stream`) or dispatch (rank 0 reads and
-broadcasts, :mod:`accel._loader_dispatch`).
+batches (Accelerate's sharding rules, see :mod:`accel.data._batch_sampler`) on the state's
+device. It chooses the loader's mode once: shard (map-style datasets,
+:mod:`accel.data._shard_mode`), stream (iterable datasets, :mod:`accel.data._stream_mode`) or
+dispatch (rank 0 reads and broadcasts, :mod:`accel.data._dispatch_mode`).
 
 Shuffling: a random sampler gets its own generator, seeded with a seed shared by all ranks
 plus the epoch, so every rank draws the same permutation and each epoch a new one. The shared
@@ -17,7 +17,7 @@ datasets with ``set_epoch`` are told the epoch. A new iteration starts a new epo
 
 While iterating, the loader is registered in ``accel._state.scope().active_loaders`` (innermost
 last) and keeps ``end_of_dataloader`` (the batch just yielded is the last),
-``final_round`` (:class:`~accel._rounds.FinalRound` of the last round, on the last batch) and
+``final_round`` (:class:`~accel.data._rounds.FinalRound` of the last round, on the last batch) and
 ``remainder`` (real samples in the final global batch, ``-1`` when unknown) up to date, for
 :func:`accel.gather_for_metrics`.
 """
@@ -29,12 +29,12 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from accel._epochs import worker_seeds
-from accel._loader import LoaderMode, Plan, PreparedDataLoader, loader_options
-from accel._loader_dispatch import dispatch_map, dispatch_stream
-from accel._loader_shard import shard_mode
-from accel._loader_stream import stream_mode
 from accel._state import state
+from accel.data._dispatch_mode import dispatch_map, dispatch_stream
+from accel.data._epoch_seeds import worker_seeds
+from accel.data._loader import LoaderMode, Plan, PreparedDataLoader, loader_options
+from accel.data._shard_mode import shard_mode
+from accel.data._stream_mode import stream_mode
 from accel.errors import ConfigError, DataLoaderTypeError
 
 __all__ = ["PreparedDataLoader", "prepare_data_loader", "skip_first_batches"]

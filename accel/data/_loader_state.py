@@ -14,9 +14,9 @@ from typing import Any
 
 import attrs
 
-from accel._epochs import Reseeder
-from accel._sharding import ShardedBatchSampler
-from accel._stream_shard import StreamShard
+from accel.data._batch_sampler import ShardedBatchSampler
+from accel.data._epoch_seeds import Reseeder
+from accel.data._stream_shard import StreamShard
 from accel.errors import CheckpointError
 
 __all__ = ["LoaderState", "loader_state", "read_loader_state", "rederive_position",

@@ -3,8 +3,8 @@
 :class:`ShardSpec` is the pure rule (no processes, no devices); :class:`ShardedBatchSampler`
 applies it per epoch inside the loaders of :mod:`accel.data`. The rules are Accelerate's
 (``BatchSamplerShard``; iterable datasets follow ``IterableDatasetShard`` in
-:mod:`accel._stream_shard`, dispatched batches ``DataLoaderDispatcher`` in
-:mod:`accel._dispatch`) so that ported training scripts see the same batches:
+:mod:`accel.data._stream_shard`, dispatched batches ``DataLoaderDispatcher`` in
+:mod:`accel.data._broadcast_batches`) so that ported training scripts see the same batches:
 
 - without ``split_batches``, batch ``i`` of the original loader goes to rank
   ``i % world_size``; with it, every batch is cut into ``world_size`` equal slices;
@@ -12,7 +12,7 @@ applies it per epoch inside the loaders of :mod:`accel.data`. The rules are Acce
   rank gets the same number of batches of the same size;
 - ``drop_last`` drops the last round when it is not complete.
 
-Every generator reports the last round as a :class:`~accel._rounds.FinalRound` so that
+Every generator reports the last round as a :class:`~accel.data._rounds.FinalRound` so that
 ``gather_for_metrics`` can drop exactly the padding.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 import attrs
 from torch.utils.data import BatchSampler, Sampler
 
-from accel._epochs import Reseeder
-from accel._rounds import FinalRound, Recorder, grow, skip_first, split_counts
+from accel.data._epoch_seeds import Reseeder
+from accel.data._rounds import FinalRound, Recorder, grow, skip_first, split_counts
 from accel.errors import ConfigError
 
 __all__ = ["ShardSpec", "ShardedBatchSampler"]

@@ -1,6 +1,6 @@
 """Stream mode: an iterable dataset that every rank reads, keeping its own elements.
 
-The prepared loader's dataset is a :class:`~accel._stream_shard.StreamShard`; resuming reads
+The prepared loader's dataset is a :class:`~accel.data._stream_shard.StreamShard`; resuming reads
 and drops the skipped elements (a stream cannot skip by index).
 """
 
@@ -12,20 +12,20 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from torch.utils.data import DataLoader
 
-from accel._epochs import Reseeder, stream_reseeder
-from accel._resume import shuffle_reseeder
-from accel._rounds import FinalRound
-from accel._stream_shard import StreamShard
+from accel.data._epoch_seeds import Reseeder, stream_reseeder
+from accel.data._loader_state import shuffle_reseeder
+from accel.data._rounds import FinalRound
+from accel.data._stream_shard import StreamShard
 
 if TYPE_CHECKING:
-    from accel._loader import PreparedDataLoader
+    from accel.data._loader import PreparedDataLoader
 
 __all__ = ["StreamMode", "stream_mode", "stream_shard"]
 
 
 @attrs.define(eq=False)
 class StreamMode:
-    """A prepared loader's stream mode: its :class:`~accel._stream_shard.StreamShard`.
+    """A prepared loader's stream mode: its :class:`~accel.data._stream_shard.StreamShard`.
 
     Example:
         >>> mode, arguments = stream_mode(DataLoader(stream, batch_size=2), batch_size=2,

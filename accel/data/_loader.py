@@ -4,9 +4,9 @@
 yielded, shared with ``skip_first_batches`` views), the seeds, device placement and the
 per-batch loop that keeps ``end_of_dataloader``, ``final_round`` and ``remainder`` up to
 date. What differs between modes sits in a :class:`LoaderMode`, chosen once by
-``prepare_data_loader``: :class:`~accel._loader_shard.ShardMode` (map-style datasets, a
-sharded batch sampler), :class:`~accel._loader_stream.StreamMode` (iterable datasets read by
-every rank) and :class:`~accel._loader_dispatch.DispatchMode` (rank 0 reads, broadcasts).
+``prepare_data_loader``: :class:`~accel.data._shard_mode.ShardMode` (map-style datasets, a
+sharded batch sampler), :class:`~accel.data._stream_mode.StreamMode` (iterable datasets read by
+every rank) and :class:`~accel.data._dispatch_mode.DispatchMode` (rank 0 reads, broadcasts).
 
 While iterating, the loader is registered in ``accel._state.scope().active_loaders``
 (innermost last) for :func:`accel.gather_for_metrics` and ``accel.accumulate``.
@@ -22,11 +22,11 @@ import attrs
 import torch
 from torch.utils.data import DataLoader
 
-from accel._epochs import Reseeder, WorkerSeeds
-from accel._resume import loader_state, read_loader_state
-from accel._rounds import FinalRound
 from accel._state import scope
 from accel._tree import map_tensors
+from accel.data._epoch_seeds import Reseeder, WorkerSeeds
+from accel.data._loader_state import loader_state, read_loader_state
+from accel.data._rounds import FinalRound
 
 __all__ = ["LoaderMode", "Plan", "PreparedDataLoader", "loader_options"]
 

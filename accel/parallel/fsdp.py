@@ -13,7 +13,7 @@ Where things live:
   ``prepare_model``'s ``**strategy_options`` (which win), checked by :func:`fsdp_options`;
 - the device mesh: in this module's ``_MESHES`` scope slot, made once per scope and device type;
 - which parameters sharding replaced: marked on each replaced (old) parameter by
-  ``accel._fsdp_params`` (which also checks and remaps optimizers, at prepare time only).
+  ``accel.parallel._fsdp_params`` (which also checks and remaps optimizers, at prepare time only).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import attrs
 import torch
 from torch import nn
 
-from accel._fsdp_params import mark_replaced
 from accel._settings import did_you_mean
 from accel._state import ProcessState, ScopeSlot, state
 from accel.errors import ConfigError
 from accel.model_blocks import declared_blocks
+from accel.parallel._fsdp_params import mark_replaced
 from accel.precision import autocast_dtype
 
 if TYPE_CHECKING:
@@ -50,7 +50,9 @@ __all__ = [
 FSDP_OPTIONS = ("shard_modules", "reshard_after_forward", "cpu_offload")
 """The strategy options of ``strategy="fsdp"``."""
 
-_MESHES: ScopeSlot[dict[tuple[str, int], DeviceMesh]] = ScopeSlot("accel.fsdp device meshes")
+_MESHES: ScopeSlot[dict[tuple[str, int], DeviceMesh]] = ScopeSlot(
+    "accel.parallel.fsdp device meshes"
+)
 _ONE_PROCESS_SAID = threading.Event()  # once per process: FSDP on one process runs unsharded
 _EXAMPLES = {
     "shard_modules": "shard_modules=MyBlock",
@@ -270,7 +272,7 @@ def is_fsdp_module(module: object) -> bool:
 
 def _mesh(st: ProcessState) -> DeviceMesh:
     if st.mesh is not None:  # the block's N-D mesh: shard over its data-parallel dims
-        from accel.mesh import dp_mesh
+        from accel.parallel.mesh import dp_mesh
 
         return dp_mesh(st.mesh)
     meshes = _MESHES.get_or_create(dict)

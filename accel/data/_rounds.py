@@ -1,10 +1,10 @@
 """The last round of an epoch and the small pieces every sharding rule shares.
 
 A sharded epoch ends with a round that may be incomplete; every generator of
-:mod:`accel._sharding` and :mod:`accel._stream_shard` reports it as a :class:`FinalRound`
-so that ``gather_for_metrics`` can drop exactly the padding. ``grow`` repeats the first round
-to pad a tiny dataset; ``skip_first`` skips the batches a resumed epoch already yielded;
-``dispatch_slice_size`` is the padded slice of a dispatched last batch.
+:mod:`accel.data._batch_sampler` and :mod:`accel.data._stream_shard` reports it as a
+:class:`FinalRound` so that ``gather_for_metrics`` can drop exactly the padding. ``grow``
+repeats the first round to pad a tiny dataset; ``skip_first`` skips the batches a resumed epoch
+already yielded; ``dispatch_slice_size`` is the padded slice of a dispatched last batch.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Dispatch mode: rank 0 reads whole rounds from an unsharded loader and broadcasts them.
 
-Every rank keeps its slice of each round (:mod:`accel._dispatch`). The unsharded loader rank
-0 reads is built on every rank (its shuffle seed is rank 0's everywhere, so every rank's
-``state_dict()`` agrees), seeded per epoch and skipping cheaply when resuming.
+Every rank keeps its slice of each round (:mod:`accel.data._broadcast_batches`). The unsharded
+loader rank 0 reads is built on every rank (its shuffle seed is rank 0's everywhere, so every
+rank's ``state_dict()`` agrees), seeded per epoch and skipping cheaply when resuming.
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ import attrs
 import torch
 from torch.utils.data import DataLoader
 
-from accel._dispatch import concat_rounds, dispatch_rounds
-from accel._epochs import Reseeder, WorkerSeeds
-from accel._loader_shard import sharded_sampler
-from accel._loader_stream import stream_shard
-from accel._resume import shuffle_reseeder
-from accel._rounds import FinalRound
-from accel._sharding import ShardedBatchSampler
 from accel._state import state
-from accel._stream_shard import StreamShard
+from accel.data._batch_sampler import ShardedBatchSampler
+from accel.data._broadcast_batches import concat_rounds, dispatch_rounds
+from accel.data._epoch_seeds import Reseeder, WorkerSeeds
+from accel.data._loader_state import shuffle_reseeder
+from accel.data._rounds import FinalRound
+from accel.data._shard_mode import sharded_sampler
+from accel.data._stream_mode import stream_shard
+from accel.data._stream_shard import StreamShard
 
 if TYPE_CHECKING:
-    from accel._loader import PreparedDataLoader
+    from accel.data._loader import PreparedDataLoader
 
 __all__ = ["DispatchMode", "dispatch_map", "dispatch_stream"]
 

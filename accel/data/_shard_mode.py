@@ -1,7 +1,7 @@
 """Shard mode: a map-style dataset read through this rank's share of the batch sampler.
 
-The prepared loader's batch sampler is a :class:`~accel._sharding.ShardedBatchSampler` over
-a copy of the user's batch sampler (its own generator, reseeded per epoch); skipped batches
+The prepared loader's batch sampler is a :class:`~accel.data._batch_sampler.ShardedBatchSampler`
+over a copy of the user's batch sampler (its own generator, reseeded per epoch); skipped batches
 are skipped by index, never loaded.
 """
 
@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from torch.utils.data import BatchSampler, DataLoader
 
-from accel._epochs import Reseeder, seeded_copy
-from accel._resume import shuffle_reseeder
-from accel._rounds import FinalRound
-from accel._sharding import ShardedBatchSampler, ShardSpec
 from accel._state import scope
+from accel.data._batch_sampler import ShardedBatchSampler, ShardSpec
+from accel.data._epoch_seeds import Reseeder, seeded_copy
+from accel.data._loader_state import shuffle_reseeder
+from accel.data._rounds import FinalRound
 from accel.errors import ConfigError
 
 if TYPE_CHECKING:
-    from accel._loader import PreparedDataLoader
+    from accel.data._loader import PreparedDataLoader
 
 __all__ = ["ShardMode", "shard_mode", "sharded_sampler"]
 
@@ -33,7 +33,7 @@ def _even_override() -> bool | None:
 
 @attrs.define(eq=False)
 class ShardMode:
-    """A prepared loader's shard mode: its :class:`~accel._sharding.ShardedBatchSampler`.
+    """A prepared loader's shard mode: its :class:`~accel.data._batch_sampler.ShardedBatchSampler`.
 
     Example:
         >>> mode, arguments = shard_mode(DataLoader(range(8), batch_size=2), rank=0,
