@@ -103,7 +103,7 @@ def _body(strategy: str, directory: str) -> dict[str, Any]:
         got = _step(model, net, st.rank)
         result["bf16:max_diff"] = max((got[k] - want[k]).abs().max().item() for k in want)
     if strategy == "fsdp":
-        from accel.fsdp import is_fsdp_module
+        from accel.parallel.fsdp import is_fsdp_module
 
         result["sharded_blocks"] = [is_fsdp_module(block) for block in net.blocks]
     path = Path(directory)
