@@ -121,6 +121,7 @@ def train(family: str, steps: int = 3, plan: Any = None, save: str | None = None
         losses.append(float(accel.reduce(loss.detach(), reduction="mean")))
     if save is not None:
         accel.save_state(save, model=model, optimizer=optimizer)
+        accel.save_model(model, f"{save}_weights")  # full weights, gathered
     seen = []
     eval_loader = accel.prepare_data_loader(DataLoader(_data(family), batch_size=5))
     with torch.no_grad():
@@ -137,6 +138,11 @@ def train(family: str, steps: int = 3, plan: Any = None, save: str | None = None
         "dp": (st.dp_rank, st.dp_world_size),
         "tp": (st.tp_rank, st.tp_world_size),
     }
+
+
+def chain(family: str, steps: int, save: str, load: str | None) -> dict[str, Any]:
+    """:func:`train` resuming from ``load`` (when given) and saving to ``save``."""
+    return train(family, steps, None, save, load)
 
 
 def train_checkpointed(family: str, steps: int) -> dict[str, Any]:
@@ -159,3 +165,8 @@ def overflow_on_one_rank(bad_rank: int) -> dict[str, Any]:
     after = accel.get_state_dict(model)
     return {"skipped": accel.optimizer_step_was_skipped(optimizer),
             "changed": any(not torch.equal(before[k], after[k]) for k in before)}
+
+
+def train_compiled(family: str, steps: int) -> dict[str, Any]:
+    """:func:`train` with each block compiled (``compile="regional"``, eager backend)."""
+    return train(family, steps, compile={"regional": True, "backend": "eager"})

@@ -109,9 +109,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     want = run_distributed(
         mm.train, "mlp", 3, None, None, str(root / "ref"), world_size=1, timeout=240
     )[0]
-    run_distributed(mm.train, "mlp", 3, None, str(root / "tp2xfsdp2"), world_size=4,
-                    timeout=240, **MESHES["tp2xfsdp2"])
-    return {"root": root, "want": want}
+    saved = run_distributed(mm.train, "mlp", 3, None, str(root / "tp2xfsdp2"), world_size=4,
+                            timeout=240, **MESHES["tp2xfsdp2"])[0]
+    return {"root": root, "want": want, "saved": saved}
 
 
 @pytest.mark.parametrize(
@@ -165,3 +165,45 @@ def test_mixed_precision_on_tp_x_fsdp_trains_close_to_one_process() -> None:
 def _one_process_mixed(mixed_precision: str) -> dict[str, Any]:
     return run_distributed(mm.train, "mlp", world_size=1, timeout=240,
                            mixed_precision=mixed_precision)[0]
+
+
+def test_save_model_on_a_mesh_writes_the_full_weights(saved: dict[str, Any]) -> None:
+    from safetensors.torch import load_file
+
+    weights_dir = saved["root"] / "tp2xfsdp2_weights"
+    files = sorted(weights_dir.glob("*.safetensors"))
+    assert files, sorted(weights_dir.iterdir())
+    written: dict[str, torch.Tensor] = {}
+    for file in files:
+        written.update(load_file(file))
+    assert written.keys() == saved["saved"]["weights"].keys()
+    for name, value in saved["saved"]["weights"].items():
+        torch.testing.assert_close(written[name], value, atol=0, rtol=0, msg=name)
+    model = mm.make("mlp")
+    model.load_state_dict(written)  # a plain model takes them as they are
+
+
+@pytest.mark.slow  # 8 runs
+def test_a_checkpoint_travels_2x2_to_4x1_to_1_to_2x2(tmp_path: Path) -> None:
+    """Each stage resumes the previous stage's checkpoint on another mesh, trains and saves;
+    one process doing the same stages ends with the same weights."""
+    stages = [(4, MESHES["tp2xfsdp2"]), (4, {"dp_shard_size": 4}), (1, {}),
+              (4, MESHES["hsdp2x2"])]
+    want: dict[str, Any] = {}
+    got: dict[str, Any] = {}
+    for i, (world, sizes) in enumerate(stages):
+        load = None if i == 0 else str(tmp_path / f"ref{i - 1}")
+        want = run_distributed(mm.chain, "mlp", 2, str(tmp_path / f"ref{i}"), load,
+                               world_size=1, timeout=240)[0]
+        load = None if i == 0 else str(tmp_path / f"mesh{i - 1}")
+        got = run_distributed(mm.chain, "mlp", 2, str(tmp_path / f"mesh{i}"), load,
+                              world_size=world, timeout=240, **sizes)[0]
+        assert got["losses"] == pytest.approx(want["losses"], abs=1e-5), i
+    _assert_same(got, want)
+
+
+@pytest.mark.slow  # compiles every block on 4 processes
+def test_regional_compile_on_tp_x_fsdp_equals_one_process() -> None:
+    out = run_distributed(mm.train_compiled, "mlp", 3, world_size=4, timeout=300,
+                          **MESHES["tp2xfsdp2"])
+    _assert_same(out[0], _one_process("mlp"))
