@@ -154,9 +154,23 @@ class PreparedOptimizer(torch.optim.Optimizer):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        """Step the user's optimizer on sync steps (through the GradScaler under fp16)."""
+        """Step the user's optimizer on sync steps (through the GradScaler under fp16).
+
+        Under an N-D mesh the step runs with torch's ``implicit_replication``: a
+        tensor-parallel model without FSDP keeps plain parameters (layers left whole, the same
+        on every TP rank) beside DTensor ones, and a ``foreach`` optimizer step refuses the mix
+        otherwise.
+        """
         if not scope().sync_gradients:
             return None
+        if state().mesh is not None:
+            from torch.distributed.tensor.experimental import implicit_replication
+
+            with implicit_replication():
+                return self._step(closure)
+        return self._step(closure)
+
+    def _step(self, closure: Callable[[], float] | None) -> Any:
         scaler = self.scaler
         if scaler is None or state().mixed_precision != "fp16":
             if closure is None:

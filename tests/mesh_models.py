@@ -90,7 +90,8 @@ def _predict(family: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def train(family: str, steps: int = 3, plan: Any = None, save: str | None = None,
-          load: str | None = None, **prepare_options: Any) -> dict[str, Any]:
+          load: str | None = None, foreach: bool | None = None,
+          **prepare_options: Any) -> dict[str, Any]:
     """Train ``steps`` steps on the block's mesh; optionally load before / save after.
 
     Every step runs inside ``accel.accumulate`` (a no-op without gradient accumulation);
@@ -100,7 +101,9 @@ def train(family: str, steps: int = 3, plan: Any = None, save: str | None = None
     tp_plan = plan if plan is not None else (MLP_PLAN if family == "mlp" else "auto")
     model = accel.prepare_model(model, tp_plan=tp_plan, **prepare_options)
     lr = 0.01 if family == "mlp" else 0.001
-    optimizer = accel.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=lr))
+    optimizer = accel.prepare_optimizer(
+        torch.optim.AdamW(model.parameters(), lr=lr, foreach=foreach)
+    )
     if load is not None:
         accel.load_state(load, model=model, optimizer=optimizer)
     loader = accel.prepare_data_loader(
@@ -170,3 +173,8 @@ def overflow_on_one_rank(bad_rank: int) -> dict[str, Any]:
 def train_compiled(family: str, steps: int) -> dict[str, Any]:
     """:func:`train` with each block compiled (``compile="regional"``, eager backend)."""
     return train(family, steps, compile={"regional": True, "backend": "eager"})
+
+
+def train_foreach(family: str, steps: int) -> dict[str, Any]:
+    """:func:`train` with a ``foreach`` AdamW (one kernel over all parameters, CUDA's default)."""
+    return train(family, steps, foreach=True)

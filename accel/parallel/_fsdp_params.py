@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel._state import state
 from accel.errors import StaleParametersError
 
 __all__ = [
@@ -191,15 +192,19 @@ def plain_norm(norm: torch.Tensor) -> torch.Tensor:
 
 
 def layout_groups(params: list[Any]) -> list[list[Any]]:
-    """``params`` with gradients, grouped by their gradients' mesh and placements (plain
-    tensors together), in first-seen order: the same on every rank."""
+    """``params`` with gradients, grouped by their mesh and placements (plain tensors
+    together), in first-seen order: the same on every rank.
+
+    Example:
+        >>> [len(group) for group in layout_groups(list(model.parameters()))]
+        [4, 8, 2]
+    """
     groups: dict[object, list[Any]] = {}
     for param in params:
-        grad = param.grad
-        if grad is None:
+        if param.grad is None:
             continue
-        mesh = getattr(grad, "device_mesh", None)
-        key = None if mesh is None else (id(mesh), tuple(map(str, grad.placements)))
+        mesh = getattr(param, "device_mesh", None)
+        key = None if mesh is None else (id(mesh), param.placements)
         groups.setdefault(key, []).append(param)
     return list(groups.values())
 
@@ -218,7 +223,7 @@ def clip_by_total_norm(
     Example:
         >>> norm = clip_by_total_norm(list(model.parameters()), 1.0, 2.0)
     """
-    groups = layout_groups(params)
+    groups = layout_groups(params) if state().mesh is not None else []
     if len(groups) <= 1:
         grads = [p.grad for p in params if p.grad is not None]
         if max_norm is None:

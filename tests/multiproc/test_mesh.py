@@ -207,3 +207,13 @@ def test_regional_compile_on_tp_x_fsdp_equals_one_process() -> None:
     out = run_distributed(mm.train_compiled, "mlp", 3, world_size=4, timeout=300,
                           **MESHES["tp2xfsdp2"])
     _assert_same(out[0], _one_process("mlp"))
+
+
+@pytest.mark.parametrize("mesh", ["tp2", "tp2xfsdp2"])
+def test_a_foreach_optimizer_steps_plain_and_dtensor_parameters_together(mesh: str) -> None:
+    """Without FSDP the head stays a plain tensor beside the TP blocks' DTensors: torch's
+    foreach step refuses that mix unless the plain ones count as replicated."""
+    sizes = {"tp_size": 2} if mesh == "tp2" else MESHES[mesh]
+    out = run_distributed(mm.train_foreach, "mlp", 3, world_size=2 if mesh == "tp2" else 4,
+                          timeout=240, **sizes)
+    _assert_same(out[0], _one_process("mlp"))
