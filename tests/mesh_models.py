@@ -178,3 +178,22 @@ def train_compiled(family: str, steps: int) -> dict[str, Any]:
 def train_foreach(family: str, steps: int) -> dict[str, Any]:
     """:func:`train` with a ``foreach`` AdamW (one kernel over all parameters, CUDA's default)."""
     return train(family, steps, foreach=True)
+
+
+class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """An iterable dataset: prepared loaders dispatch it (global rank 0 reads, all slice)."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(torch.arange(11, dtype=torch.float32).unsqueeze(1))
+
+
+def loader_batches(dispatch: bool) -> dict[str, Any]:
+    """The batches this rank's prepared loader yields and what gather_for_metrics returns."""
+    dataset: Any = Stream() if dispatch else TensorDataset(torch.arange(11.0).unsqueeze(1))
+    loader = accel.prepare_data_loader(DataLoader(dataset, batch_size=2))
+    mine, gathered = [], []
+    for batch in loader:
+        x = batch if dispatch else batch[0]
+        mine.append(x.flatten().tolist())
+        gathered.append(accel.gather_for_metrics(x))
+    return {"mine": mine, "all": torch.cat(gathered).flatten().tolist()}

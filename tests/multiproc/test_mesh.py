@@ -217,3 +217,15 @@ def test_a_foreach_optimizer_steps_plain_and_dtensor_parameters_together(mesh: s
     out = run_distributed(mm.train_foreach, "mlp", 3, world_size=2 if mesh == "tp2" else 4,
                           timeout=240, **sizes)
     _assert_same(out[0], _one_process("mlp"))
+
+
+@pytest.mark.parametrize("dispatch", [False, True], ids=["sharded", "dispatched"])
+def test_a_tp_group_sees_the_same_batches_and_metrics_count_each_sample_once(
+    dispatch: bool,
+) -> None:
+    out = run_distributed(mm.loader_batches, dispatch, world_size=4, timeout=240,
+                          **MESHES["tp2xfsdp2"])
+    assert out[0]["mine"] == out[1]["mine"] and out[2]["mine"] == out[3]["mine"]  # TP pairs
+    assert out[0]["mine"] != out[2]["mine"]  # the data-parallel ranks share the batches out
+    for result in out:
+        assert result["all"] == [float(i) for i in range(11)]  # every sample once, in order
