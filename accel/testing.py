@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import importlib.machinery
 import importlib.util
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -28,6 +27,7 @@ from accel._env import environ_snapshot
 from accel._settings import cpu_count
 from accel._state import ProcessState, Scope, set_state
 from accel.errors import CollectiveTimeoutError, ConfigError, RemoteError
+from accel.launch._forkserver import add_preload, context
 from accel.launch._script_result import ScriptResult
 from accel.launch._script_run import RunningScript, run_script, start_script
 
@@ -37,13 +37,6 @@ __all__ = ["RunningScript", "ScriptResult", "fake_state", "preload", "run_distri
 R = TypeVar("R")
 
 _POLL_S = 0.02
-# What the warm server imports once, before it forks workers: torch, torch._dynamo (which
-# torch imports on first use of an optimizer or of torch.compile: seconds in every fresh
-# process), FSDP and distributed checkpoints, accel and run_script's entry point;
-# accel._warm_server, last, imports accel's public modules and freezes all of it.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp",
-            "torch.distributed.checkpoint", "accel.testing", "accel.launch.worker",
-            "accel._warm_server"]
 _GRACE_S = 3.0  # after one rank fails, how long the others get to finish or fail too
 
 
@@ -122,10 +115,6 @@ def _report_failure(results: Any, rank: int, exc: BaseException) -> None:
     results.put((rank, False, (type(exc).__name__, str(exc), text, payload)))
 
 
-_EXTRA_PRELOAD: list[str] = []  # preload()'s modules
-_SERVER_USED = [False]  # whether a run has asked for the server in this process
-
-
 def preload(*modules: str) -> None:
     """Have the warm server also import ``modules``, once, before it forks any process.
 
@@ -147,13 +136,7 @@ def preload(*modules: str) -> None:
                 f"preload({name!r}): no such module. Give importable module names, e.g. "
                 "`preload('transformers')`."
             )
-    if _SERVER_USED[0]:
-        raise ConfigError(
-            f"preload{modules!r} comes after the warm server started in this process, so it "
-            "would not import them. Call preload() before the first run_distributed / "
-            "run_script (e.g. at the top of conftest.py)."
-        )
-    _EXTRA_PRELOAD.extend(m for m in modules if m not in _EXTRA_PRELOAD)
+    add_preload(modules)
 
 
 def _importable(name: str) -> bool:
@@ -178,18 +161,6 @@ def _importable(name: str) -> bool:
             return depth == 1 and importlib.util.find_spec(full) is not None  # a builtin
         path = list(spec.submodule_search_locations or [])
     return True
-
-
-def _context() -> Any:
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        # Workers fork from a server that has torch and accel imported already: ~0.1 s a
-        # process instead of ~2 s for a fresh interpreter. accel._warm_server stays last: it
-        # freezes what the others imported.
-        ctx.set_forkserver_preload([*_PRELOAD[:-1], *_EXTRA_PRELOAD, _PRELOAD[-1]])
-        _SERVER_USED[0] = True
-        return ctx
-    return mp.get_context("spawn")
 
 
 def _raise_failure(rank: int, world_size: int, failure: tuple[str, str, str, bytes | None]) -> None:
@@ -244,7 +215,7 @@ def run_distributed(
         raise ConfigError(
             f"world_size={world_size!r} must be an integer >= 1, e.g. `world_size=2`."
         )
-    ctx = _context()
+    ctx = context()
     results = ctx.Queue()
     done: dict[int, bytes] = {}
     failures: list[tuple[int, tuple[str, str, str, bytes | None]]] = []

@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _LAZY = {
-    "CheckpointInfo": "accel.checkpoint.state",
+    "CheckpointInfo": "accel.checkpoint._loading",
     "get_state_dict": "accel.checkpoint.model_io",
     "latest_checkpoint": "accel.checkpoint.state",
     "load": "accel.checkpoint.model_io",
@@ -26,12 +26,12 @@ __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:
     from accel.checkpoint._async import wait_for_checkpoints as wait_for_checkpoints
+    from accel.checkpoint._loading import CheckpointInfo as CheckpointInfo
     from accel.checkpoint.model_io import get_state_dict as get_state_dict
     from accel.checkpoint.model_io import load as load
     from accel.checkpoint.model_io import load_checkpoint_in_model as load_checkpoint_in_model
     from accel.checkpoint.model_io import save as save
     from accel.checkpoint.model_io import save_model as save_model
-    from accel.checkpoint.state import CheckpointInfo as CheckpointInfo
     from accel.checkpoint.state import latest_checkpoint as latest_checkpoint
     from accel.checkpoint.state import load_state as load_state
     from accel.checkpoint.state import save_state as save_state

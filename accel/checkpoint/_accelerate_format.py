@@ -38,11 +38,11 @@ from torch.utils.data import DataLoader
 from accel._state import scope
 from accel.checkpoint._fit import check_fits
 from accel.checkpoint._layout import MANIFEST
-from accel.checkpoint._saving import describe
+from accel.checkpoint._loading import CheckpointInfo, agree, load_into
+from accel.checkpoint._saving import describe, unwrap
 from accel.checkpoint._stream import read_weights
 from accel.checkpoint._torch_pickle import check_loaded
 from accel.checkpoint._torch_zip import is_zip, opened_torch_file
-from accel.checkpoint.state import CheckpointInfo, _agree, _load_into, _unwrap
 from accel.collectives import gather_object
 from accel.errors import CheckpointError
 from accel.gating import get_logger
@@ -321,7 +321,7 @@ def _read_loader(path: Path, name: str, index: int, loader: Any) -> tuple[Any, l
 
 def _read_one(path: Path, name: str, kind: str, index: int, obj: Any) -> tuple[Any, list[str]]:
     if kind == "model":
-        saved, file = _read_model(path, name, index, _unwrap(obj))
+        saved, file = _read_model(path, name, index, unwrap(obj))
         return saved, [file]
     if kind == "dataloader":
         return _read_loader(path, name, index, obj)
@@ -339,7 +339,7 @@ def _read_one(path: Path, name: str, kind: str, index: int, obj: Any) -> tuple[A
     if not (path / file).is_file():
         raise _missing(path, name, file, _ORDER_FIX)
     saved = _torch_file(path / file, name)
-    check_fits(name, _unwrap(obj), saved)
+    check_fits(name, unwrap(obj), saved)
     return saved, [file]
 
 
@@ -412,7 +412,7 @@ def load_accelerate_state(
         read = _read(target, objects)
     except Exception as exc:  # every rank must hear of it, not wait for a timeout
         error = describe(exc)
-    errors = _agree(error)
+    errors = agree(error)
     if errors or read is None:
         raise CheckpointError(
             f"load_state({os.fspath(directory)!r}) cannot load the Accelerate checkpoint at "
@@ -421,13 +421,13 @@ def load_accelerate_state(
     error = None
     try:
         for name, obj in objects.items():
-            _load_into(name, obj, read.states[name])
+            load_into(name, obj, read.states[name])
         scaler = scope().grad_scaler
         if read.scaler is not None and scaler is not None:
             scaler.load_state_dict(read.scaler)
     except Exception as exc:
         error = describe(exc)
-    errors = _agree(error)
+    errors = agree(error)
     if errors:
         raise CheckpointError(
             f"load_state({os.fspath(directory)!r}) failed while restoring the Accelerate "

@@ -40,7 +40,7 @@ from accel.collectives import gather_object
 from accel.errors import AccelError, CheckpointError
 from accel.model import unwrap_model
 
-__all__ = ["GRADS", "SaveJob", "describe", "finish", "plan_rank_files", "start"]
+__all__ = ["GRADS", "SaveJob", "describe", "finish", "plan_rank_files", "start", "unwrap"]
 
 GRADS = "__gradients"  # file suffix of a model's accumulated gradients
 
@@ -123,7 +123,8 @@ def start(
         )
 
 
-def _unwrap(obj: Any) -> Any:
+def unwrap(obj: Any) -> Any:
+    """The model inside a prepared module (``unwrap_model``); any other object as it is."""
     return unwrap_model(obj) if isinstance(obj, nn.Module) else obj
 
 
@@ -160,11 +161,11 @@ def plan_rank_files(
             continue
         step = accumulation_step(obj)  # accumulate() counts on it
         if step:  # mid-cycle: each rank's local, not yet synced, gradients are state too
-            grads = _gradients(_unwrap(obj))
+            grads = _gradients(unwrap(obj))
             if grads:
                 files += plan_object(tmp, f"{name}{GRADS}_rank{rank}", grads)
         if writer:
-            module = _unwrap(obj)
+            module = unwrap(obj)
             weights, tied = split_ties(module, _state_dict_of(name, module))
             model_extra: dict[str, Any] = {"accumulation_step": step}
             if tied:

@@ -48,10 +48,11 @@ from accel.checkpoint._layout import (
     latest_checkpoint,
     read_manifest,
 )
+from accel.checkpoint._loading import CheckpointInfo, agree, load_into
 from accel.checkpoint._objects import read_object
 from accel.checkpoint._paths import as_path
 from accel.checkpoint._reshard import resolve
-from accel.checkpoint._saving import GRADS, describe
+from accel.checkpoint._saving import GRADS, describe, unwrap
 from accel.checkpoint._screening import listed, missing_objects, screen
 from accel.checkpoint._sharded import check_layout
 from accel.checkpoint._values import check_counter, check_gradients, check_rng, check_values
@@ -59,27 +60,12 @@ from accel.checkpoint._writer import PlannedFile, write_files
 from accel.checkpoint.rng import get_rng_state, set_rng_state
 from accel.collectives import begin, gather_object
 from accel.errors import AccelError, CheckpointArgumentError, CheckpointError
-from accel.model import unwrap_model
 
-__all__ = ["CheckpointInfo", "latest_checkpoint", "load_state", "save_state"]
+__all__ = ["latest_checkpoint", "load_state", "save_state"]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _RESERVED = frozenset({"manifest", "rng", "grad_scaler"})
 GRAD_SCALER = "grad_scaler"
-
-
-@attrs.frozen
-class CheckpointInfo:
-    """What :func:`load_state` loaded: where from, which step, and what it held."""
-
-    path: Path
-    step: int | None
-    world_size: int
-    objects: tuple[str, ...]
-
-
-def _unwrap(obj: Any) -> Any:
-    return unwrap_model(obj) if isinstance(obj, nn.Module) else obj
 
 
 _OPTIONS = {
@@ -326,7 +312,7 @@ def _verify(path: Path, objects: dict[str, Any], rank: int, world_size: int) -> 
                           strict=True))
     resolve(path, files, objects, loaded)  # FSDP: shards <-> full tensors, for each target
     for name, obj in objects.items():  # values too: a failed load must change nothing
-        target = _unwrap(obj)
+        target = unwrap(obj)
         check_fits(name, target, loaded[name][0])
         if isinstance(target, nn.Module):
             check_counter(name, loaded[name][1].get("accumulation_step"))
@@ -353,30 +339,16 @@ def _verify(path: Path, objects: dict[str, Any], rank: int, world_size: int) -> 
                  save_id if isinstance(save_id, str) else None)
 
 
-def _load_into(name: str, obj: Any, state_dict: Any) -> None:
-    target = _unwrap(obj)
-    try:
-        if isinstance(target, nn.Module):
-            target.load_state_dict(state_dict, strict=True)
-        else:
-            target.load_state_dict(state_dict)
-    except Exception as exc:
-        raise CheckpointError(
-            f"{name}.load_state_dict() refused the checkpoint's {name!r} "
-            f"({type(exc).__name__}: {exc}). Pass the object it was saved from."
-        ) from exc
-
-
 def _apply(plan: _Plan, objects: dict[str, Any], world_size: int) -> None:
     loaded, rank_file = plan.loaded, f"rng_rank{state().rank}"
     for name, obj in objects.items():
         state_dict, extra = loaded[name]
-        _load_into(name, obj, state_dict)
+        load_into(name, obj, state_dict)
         if isinstance(obj, nn.Module) and extra.get("accumulation_step") is not None:
             set_accumulation_step(extra["accumulation_step"], obj)
         if isinstance(obj, nn.Module):
             grad_file = plan.grad_files[name]
-            _restore_gradients(_unwrap(obj), loaded[grad_file][0] if grad_file in loaded else {})
+            _restore_gradients(unwrap(obj), loaded[grad_file][0] if grad_file in loaded else {})
     scaler = scope().grad_scaler
     if GRAD_SCALER in loaded and scaler is not None:
         scaler.load_state_dict(loaded[GRAD_SCALER][0])
@@ -387,26 +359,6 @@ def _apply(plan: _Plan, objects: dict[str, Any], world_size: int) -> None:
             set_accumulation_step(extra["accumulation_step"])
     else:
         warnings.warn(plan.rng_warning, stacklevel=4)
-
-
-def _agree(error: str | None, save_id: str | None = None, what: str = "") -> list[str]:
-    """Every rank's error (``[]`` when none failed): one collective, the same on all ranks.
-
-    With ``save_id`` (the manifest's, as each rank read it), copies from different saves
-    are an error too: machines' ``on_each_node`` copies where the save completed on some
-    machines only, or a checkpoint replaced while the ranks read it.
-    """
-    reports = gather_object((error, save_id))
-    errors = [f"rank {r}: {e}" if state().world_size > 1 else e
-              for r, (e, _) in enumerate(reports) if e is not None]
-    ids = {i for _, i in reports}
-    if not errors and len(ids) > 1:
-        errors = [
-            f"the ranks read copies of {what} from different saves (save ids "
-            f"{sorted(str(i) for i in ids)}): with on_each_node=True a save completed on some "
-            "machines only, or the checkpoint was replaced while loading"
-        ]
-    return errors
 
 
 def load_state(
@@ -521,7 +473,7 @@ def load_state(
             plan = _verify(Path(name), objects, st.rank, st.world_size)
         except Exception as exc:  # every rank must hear of it, not wait for a timeout
             error = describe(exc)
-        errors = _agree(error, plan.save_id if plan is not None else None, repr(name))
+        errors = agree(error, plan.save_id if plan is not None else None, repr(name))
         if not errors:
             break
         plan = None
@@ -544,7 +496,7 @@ def load_state(
         _apply(plan, objects, st.world_size)
     except Exception as exc:
         error = describe(exc)
-    errors = _agree(error)
+    errors = agree(error)
     if errors:
         raise CheckpointError(
             f"load_state({where!r}) failed while restoring {os.fspath(plan.info.path)!r}: "

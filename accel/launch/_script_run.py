@@ -190,7 +190,7 @@ class RunningScript:
                  environ: dict[str, str], cwd: str, timeout: float, launch: bool) -> None:
         import torch.distributed as dist
 
-        from accel.testing import _context
+        from accel.launch._forkserver import context
 
         self.script, self.args, self.timeout = script, args, timeout
         self._deadline = time.monotonic() + timeout
@@ -208,7 +208,7 @@ class RunningScript:
             environs = [{**environ, **_rank_variables(rank, world_size, self._store.port, run_id,
                                                       self._files[rank][2], environ)}
                         for rank in range(world_size)]
-        ctx = _context()
+        ctx = context()
         self._procs = [
             ctx.Process(target=_script_worker,
                         args=(script, args, cwd, environs[rank], *self._files[rank][:2],

@@ -257,9 +257,9 @@ def _user_group_worker(rank: int, path: str, results: Any) -> None:
 
 
 def test_distributed_leaves_a_user_group_alone(tmp_path: Any) -> None:
-    from accel.testing import _context
+    from accel.launch._forkserver import context
 
-    ctx = _context()
+    ctx = context()
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_user_group_worker, args=(r, str(tmp_path / "store"), results))

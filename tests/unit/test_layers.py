@@ -159,6 +159,10 @@ def test_imports_only_flow_down() -> None:
     assert upward_imports(graph) == []
 
 
+def test_no_import_cycle() -> None:
+    assert import_cycles(import_graph()) == []
+
+
 def test_a_cycle_is_found() -> None:
     graph = {
         "accel.a": {"accel.b"}, "accel.b": {"accel.c", "accel.z"}, "accel.c": {"accel.a"},
