@@ -15,11 +15,18 @@ all). Each repetition measures, for the same byte count and in this order:
   plain in-memory copy of the same tensors (``dst.copy_(src)`` into preallocated tensors,
   the floor of any snapshot; ``clone()``, which also allocates, is reported too).
 
-Medians over ``--repeat`` repetitions; ``ratios`` compares figures of the same run:
-``save_vs_dd`` (goal <= 1.15), ``save_vs_accelerate`` (<= 0.7), ``load_vs_accelerate``
-(<= 0.7), ``async_block_vs_copy`` (<= 1.5).
+With ``--tmpfs`` the files go to ``/dev/shm`` (no disk noise: the save costs the copy into
+memory, the checksums and the bookkeeping) and each repetition also times
+``safetensors.torch.save_file`` of the same tensors into the same kind of files (the model's
+state dict into one, the optimizer's tensors into another), in alternating order with
+``save_state``; ``save_vs_safetensors`` compares the best of each (goal <= 1.0, issue 23).
+
+Medians over ``--repeat`` repetitions (and the best in ``best``); ``ratios`` compares figures
+of the same run: ``save_vs_dd`` (goal <= 1.15), ``save_vs_accelerate`` (<= 0.7),
+``load_vs_accelerate`` (<= 0.2), ``async_block_vs_copy`` (<= 1.0).
 
 Usage: python bench/checkpoint.py [--dir /tmp/accel-bench] [--layers 8] [--repeat 3]
+       python bench/checkpoint.py --tmpfs --repeat 7
 """
 
 from __future__ import annotations
@@ -118,33 +125,70 @@ def _median(values: list[float]) -> float:
     return round(statistics.median(values), 4)
 
 
+def _safetensors_save(root: Path, model: nn.Module, opt: torch.optim.Optimizer) -> float:
+    """``safetensors.torch.save_file`` of the tensors save_state writes, in two files."""
+    from safetensors.torch import save_file
+
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state = {f"{i}.{k}": v for i, per in opt.state_dict()["state"].items()
+             for k, v in per.items() if isinstance(v, torch.Tensor)}
+    root.mkdir(parents=True, exist_ok=True)
+    seconds = _timed(lambda: (save_file(weights, root / "model.safetensors"),
+                              save_file(state, root / "optimizer.safetensors")))
+    shutil.rmtree(root)
+    return seconds
+
+
+def _accelerate_python(given: str | None) -> str:
+    if given is not None:
+        return given
+    if Path("/work/benchvenv/bin/python").exists():
+        return "/work/benchvenv/bin/python"
+    import importlib.util
+
+    return sys.executable if importlib.util.find_spec("accelerate") else "/nonexistent"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dir", default="/tmp/accel-bench")
+    parser.add_argument("--dir", default=None,
+                        help="default /tmp/accel-bench (/dev/shm/accel-bench with --tmpfs)")
+    parser.add_argument("--tmpfs", action="store_true",
+                        help="write to /dev/shm and time safetensors.torch.save_file too")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--accelerate-python", default="/work/benchvenv/bin/python")
+    parser.add_argument("--accelerate-python", default=None,
+                        help="an interpreter with Accelerate (default /work/benchvenv's, "
+                             "else this one when it has Accelerate)")
     args = parser.parse_args()
-    root = Path(args.dir)
+    args.accelerate_python = _accelerate_python(args.accelerate_python)
+    root = Path(args.dir or ("/dev/shm/accel-bench" if args.tmpfs else "/tmp/accel-bench"))
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     model, opt = _model(args.layers)
     tensors = _tensors(model, opt)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     times: dict[str, list[float]] = {k: [] for k in (
-        "dd_write_s", "save_state_s", "load_state_s", "accelerate_save_sync_s",
+        "dd_write_s", "save_state_s", "safetensors_save_s", "load_state_s",
+        "accelerate_save_sync_s",
         "accelerate_load_s", "copy_s", "clone_s", "async_blocked_s", "async_wait_s")}
     accelerate_version = None
     with accel.distributed():
         for rep in range(args.repeat):
             times["dd_write_s"].append(_dd(root / "dd.bin", nbytes))
             where = root / f"accel_{rep}"
+            if args.tmpfs and rep % 2 == 1:  # alternating order: the same load for both
+                times["safetensors_save_s"].append(_safetensors_save(root / "st", model, opt))
             os.sync()
             times["save_state_s"].append(
                 _timed(partial(accel.save_state, where, model=model, optimizer=opt)))
+            if args.tmpfs and rep % 2 == 0:
+                times["safetensors_save_s"].append(_safetensors_save(root / "st", model, opt))
             times["load_state_s"].append(
                 _timed(partial(accel.load_state, where, model=model, optimizer=opt)))
+            if args.tmpfs and rep > 0:  # memory: the optimizer maps only the newest copy now
+                shutil.rmtree(root / f"accel_{rep - 1}", ignore_errors=True)
             # kept until the end: the optimizer's state now maps these files, and deleting
             # them would bill freeing their disk blocks to the next load (at the last unmap)
             other = _accelerate(args.accelerate_python, root / f"accelerate_{rep}", args.layers)
@@ -173,22 +217,33 @@ def main() -> None:
             times["clone_s"].append(_timed(lambda: [t.clone() for t in tensors]))
     shutil.rmtree(root, ignore_errors=True)
     med = {k: _median(v) for k, v in times.items() if v}
+    best = {k: round(min(v), 4) for k, v in times.items() if v}
+    from accel.checkpoint import _crc
+
     report: dict[str, Any] = {
         "bytes": nbytes, "gb": round(nbytes / 1e9, 3), "repeat": args.repeat,
+        "dir": os.fspath(root), "tmpfs": args.tmpfs,
+        "crc32": "isal" if getattr(_crc, "FAST", False) else "zlib",
         "torch": torch.__version__, "python": sys.version.split()[0],
-        "accelerate": accelerate_version, "load_average": os.getloadavg()[0],
-        "median": med, "all": {k: [round(x, 4) for x in v] for k, v in times.items()},
+        "accelerate": accelerate_version, "load_average": os.getloadavg(),
+        "median": med, "best": best,
+        "all": {k: [round(x, 4) for x in v] for k, v in times.items()},
         "save_gb_s": round(nbytes / 1e9 / med["save_state_s"], 3),
     }
     ratios = {
         "save_vs_dd": med["save_state_s"] / med["dd_write_s"],
         "async_block_vs_copy": med["async_blocked_s"] / med["copy_s"],
     }
+    if "safetensors_save_s" in best:  # best of each: the judged figure (issue 23)
+        ratios["save_vs_safetensors"] = best["save_state_s"] / best["safetensors_save_s"]
+        ratios["save_vs_safetensors_median"] = (
+            med["save_state_s"] / med["safetensors_save_s"])
     if "accelerate_save_sync_s" in med:
         ratios["save_vs_accelerate"] = med["save_state_s"] / med["accelerate_save_sync_s"]
         ratios["load_vs_accelerate"] = med["load_state_s"] / med["accelerate_load_s"]
-    goals = {"save_vs_dd": 1.15, "save_vs_accelerate": 0.7, "load_vs_accelerate": 0.7,
-             "async_block_vs_copy": 1.5}
+    goals = {"save_vs_dd": 1.15, "save_vs_accelerate": 0.7, "load_vs_accelerate": 0.2,
+             "async_block_vs_copy": 1.0, "save_vs_safetensors": 1.0,
+             "save_vs_safetensors_median": 1.0}
     report["ratios"] = {k: round(v, 3) for k, v in ratios.items()}
     report["goals_met"] = {k: ratios[k] <= goals[k] for k in ratios}
     print(json.dumps(report, indent=2))

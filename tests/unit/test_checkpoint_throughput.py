@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +30,6 @@ from accel.errors import CheckpointError
 
 @pytest.fixture
 def small_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_writer, "TASK", 96)
     monkeypatch.setattr(_writer, "_SLICE", 40)
 
 
@@ -72,7 +73,7 @@ def test_parallel_write_is_byte_identical_to_the_serial_writer(tmp_path: Path) -
     files = [plan_safetensors(tmp_path, "parallel.safetensors", tensors),
              plan_bytes(tmp_path, "body.json", body),
              plan_bytes(tmp_path, "empty.json", b"")]
-    assert len(_writer._tasks(_writer._File(files[0], -1, 0))) > 10  # many tasks per file
+    assert len(_writer._slices(files[0])) > 10  # many slices per file
     records = write_files(files, workers=4)
     parallel = (tmp_path / "parallel.safetensors").read_bytes()
     assert parallel == (tmp_path / "serial.safetensors").read_bytes()
@@ -185,3 +186,82 @@ def test_writeback_hint_accepts_a_real_file(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     assert (tmp_path / "f").read_bytes() == b"x" * 4096
+
+
+def test_crc32_is_zlibs_checksum_with_or_without_isal(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = os.urandom(10_000)
+    assert _crc.crc32(data) == zlib.crc32(data)
+    assert _crc.crc32(data[5000:], _crc.crc32(data[:5000])) == zlib.crc32(data)
+    monkeypatch.setitem(sys.modules, "isal", None)  # as if not installed: ImportError
+    monkeypatch.setitem(sys.modules, "isal.isal_zlib", None)
+    function, fast = _crc._pick()
+    assert function is zlib.crc32 and not fast
+
+
+def test_a_fast_crc32_that_disagrees_with_zlib_is_not_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import types
+
+    fake = types.ModuleType("isal")
+    wrong = types.SimpleNamespace(crc32=lambda data, value=0: 7)
+    fake.isal_zlib = wrong  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "isal", fake)
+    monkeypatch.setitem(sys.modules, "isal.isal_zlib", wrong)
+    function, fast = _crc._pick()
+    assert function is zlib.crc32 and not fast
+
+
+@pytest.mark.usefixtures("small_tasks")
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_every_slice_is_checksummed_once_whoever_claims_it(
+    tmp_path: Path, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    lock = threading.Lock()
+
+    def counted(data: object, value: int = 0) -> int:
+        with lock:
+            calls.append(len(memoryview(data)))  # type: ignore[arg-type]
+        return zlib.crc32(data, value)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_crc, "crc32", counted)
+    tensors = _tensors()
+    files = [plan_safetensors(tmp_path, f"f{i}.safetensors", tensors) for i in range(3)]
+    records = write_files(files, workers=workers)
+    total = 0
+    for record in records:
+        data = (tmp_path / record.name).read_bytes()
+        assert (record.size, record.crc32) == (len(data), zlib.crc32(data))
+        total += len(data)
+    assert sum(calls) == total  # no byte checksummed twice, none skipped
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fstatfs is Linux's")
+def test_memory_filesystems_get_no_writeback_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    hints: list[int] = []
+    monkeypatch.setattr(_writer, "_writeback", lambda fd, offset, length: hints.append(fd))
+    where = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        fd = os.open(where / "probe", os.O_WRONLY | os.O_CREAT)
+        try:
+            memory = _writer.in_memory(fd)
+        finally:
+            os.close(fd)
+        records = write_files([plan_safetensors(where, "x.safetensors", _tensors())])
+        assert records[0].crc32 == zlib.crc32((where / "x.safetensors").read_bytes())
+    finally:
+        shutil.rmtree(where)
+    assert memory == (hints == [])  # tmpfs: no hint; another filesystem there: hints
+    fd = os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT)
+    try:
+        on_disk = _writer.in_memory(fd)
+    finally:
+        os.close(fd)
+    write_files([plan_safetensors(tmp_path, "y.safetensors", _tensors())])
+    assert on_disk or hints  # a disk-backed tmp_path gets the hint
