@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
 __all__ = ["first_non_tensor", "is_namedtuple", "map_tensors", "tensor_leaves", "zip_map_tensors"]
+
+T = TypeVar("T")
 
 
 def is_namedtuple(value: object) -> bool:
@@ -23,34 +25,52 @@ def _rebuild(like: Any, items: Sequence[Any]) -> Any:
     return list(items)
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], data: T) -> T:
     """Apply ``fn`` to every tensor in ``data``, keeping the structure; other leaves stay.
+
+    The result has the type of ``data``: ``fn`` maps tensors to tensors.
 
     Example:
         >>> map_tensors(lambda t: t * 2, {"a": [torch.tensor(1)]})
         {'a': [tensor(2)]}
     """
+    return cast(T, _map(fn, data))
+
+
+def _map(fn: Callable[[torch.Tensor], torch.Tensor], data: Any) -> Any:
     if isinstance(data, torch.Tensor):
         return fn(data)
     if isinstance(data, list | tuple):
-        return _rebuild(data, [map_tensors(fn, item) for item in data])
+        return _rebuild(data, [_map(fn, item) for item in data])
     if isinstance(data, Mapping):
-        return type(data)({key: map_tensors(fn, value) for key, value in data.items()})  # type: ignore[call-arg]
+        mapping: Any = type(data)  # a Mapping class that takes a dict, as dict does
+        return mapping({key: _map(fn, value) for key, value in data.items()})
     return data
 
 
-def zip_map_tensors(fn: Callable[..., Any], first: Any, *others: Any) -> Any:
-    """Apply ``fn(t0, t1, ...)`` to tensors at the same place in structures of one shape."""
+def zip_map_tensors(fn: Callable[..., torch.Tensor], first: T, *others: Any) -> T:
+    """Apply ``fn(t0, t1, ...)`` to tensors at the same place in structures of one shape.
+
+    The result has the type of ``first``.
+
+    Example:
+        >>> zip_map_tensors(torch.add, {"a": torch.tensor(1)}, {"a": torch.tensor(2)})
+        {'a': tensor(3)}
+    """
+    return cast(T, _zip_map(fn, first, *others))
+
+
+def _zip_map(fn: Callable[..., torch.Tensor], first: Any, *others: Any) -> Any:
     if isinstance(first, torch.Tensor):
         return fn(first, *others)
     if isinstance(first, list | tuple):
         return _rebuild(
-            first, [zip_map_tensors(fn, *items) for items in zip(first, *others, strict=True)]
+            first, [_zip_map(fn, *items) for items in zip(first, *others, strict=True)]
         )
     if isinstance(first, Mapping):
-        return type(first)(  # type: ignore[call-arg]
-            {key: zip_map_tensors(fn, value, *(o[key] for o in others))
-             for key, value in first.items()}
+        mapping: Any = type(first)
+        return mapping(
+            {key: _zip_map(fn, value, *(o[key] for o in others)) for key, value in first.items()}
         )
     return first
 

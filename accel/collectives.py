@@ -121,7 +121,7 @@ def gather(data: T) -> T:
     st = begin("gather", data)
     if st is None:
         return data
-    return map_tensors(partial(_all_gather, st.world_size), data)  # type: ignore[no-any-return]
+    return map_tensors(partial(_all_gather, st.world_size), data)
 
 
 def gather_object(obj: T) -> list[T]:
@@ -178,9 +178,9 @@ def reduce(data: T, reduction: Reduction = "sum", scale: float = 1.0) -> T:
     if st is None:
         if scale == 1.0:
             return data
-        return map_tensors(lambda t: t * scale, data)  # type: ignore[no-any-return]
+        return map_tensors(lambda t: t * scale, data)
     fn = partial(_reduce_one, reduction, scale, st.world_size)
-    return map_tensors(fn, data)  # type: ignore[no-any-return]
+    return map_tensors(fn, data)
 
 
 def _check_source(op: str, from_process: object, world_size: int) -> None:
@@ -220,7 +220,7 @@ def broadcast(data: T, from_process: int = 0) -> T:
     st = begin("broadcast", data)
     if st is None:
         return data
-    return map_tensors(partial(_broadcast_one, from_process, st.rank), data)  # type: ignore[no-any-return]
+    return map_tensors(partial(_broadcast_one, from_process, st.rank), data)
 
 
 def broadcast_object(obj: T, from_process: int = 0) -> T:
@@ -295,7 +295,7 @@ def pad_across_processes(
     if st is None:
         return data
     fn = partial(_pad_one, dim, pad_index, pad_first, st.world_size)
-    return map_tensors(fn, data)  # type: ignore[no-any-return]
+    return map_tensors(fn, data)
 
 
 def wait_for_everyone() -> None:

@@ -83,7 +83,7 @@ def _gather_ragged(data: T, world: int, real: tuple[int, ...] | None, tp: int = 
             [merged[r * longest[j] : r * longest[j] + n] for r, n in zip(ranks, keep, strict=True)]
         )
 
-    return zip_map_tensors(cut, data, gathered)  # type: ignore[no-any-return]
+    return zip_map_tensors(cut, data, gathered)
 
 
 def _trim_one(
