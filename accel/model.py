@@ -125,12 +125,23 @@ def _no_ddp_reason(chosen: str, world_size: int, evaluation_mode: bool, model: n
 
 
 def _split_tensor_parallel(model: nn.Module, tp_plan: object, device_placement: bool) -> bool:
-    """Apply ``tp_plan`` (when given) on the state's mesh; whether the model was split."""
+    """Apply ``tp_plan`` on the state's mesh; whether the model was split.
+
+    Without a plan under a ``tp`` dim > 1, a model that carries its own plan (transformers)
+    is split by it (``"auto"``); any other model is left whole on every TP rank (said once).
+    """
+    st = state()
     if tp_plan is None:
-        return False
+        if st.tp_world_size == 1:
+            return False
+        from accel.parallel.tensor_parallel import carries_plan, note_left_whole
+
+        if not carries_plan(model):
+            note_left_whole(model, st.tp_world_size)
+            return False
+        tp_plan = "auto"
     from accel.parallel.tensor_parallel import apply_tensor_parallel
 
-    st = state()
     if device_placement:
         model.to(st.device)
     before = dict(model.named_parameters())
@@ -192,9 +203,11 @@ def prepare_model(
             ``ACCEL_ACTIVATION_CHECKPOINTING`` or the config file, else off.
         tp_plan: tensor parallelism over the mesh's ``tp`` dim (``accel.distributed(
             tp_size=...)``): ``{module-name pattern: style}`` or ``"auto"`` (a transformers
-            model's own plan), see ``docs/parallelism.md``. Applied first; then FSDP over the
-            data-parallel dims (``dp_shard``, HSDP with ``dp_replicate``), or replicas kept in
-            sync over ``dp_replicate`` (FSDP2 with a shard size of 1).
+            model's own plan), see ``docs/parallelism.md``; by default ``"auto"`` for a model
+            that carries a plan, else none (the model stays whole on every TP rank). Applied
+            first; then FSDP over the data-parallel dims (``dp_shard``, HSDP with
+            ``dp_replicate``), or replicas kept in sync over ``dp_replicate`` (FSDP2 with a
+            shard size of 1).
         **strategy_options: with ``strategy="fsdp"``: ``shard_modules`` (a module class, a
             class name, or an iterable of them), ``reshard_after_forward`` (default ``True``)
             and ``cpu_offload`` (default ``False``), overriding those of

@@ -197,3 +197,41 @@ def loader_batches(dispatch: bool) -> dict[str, Any]:
         mine.append(x.flatten().tolist())
         gathered.append(accel.gather_for_metrics(x))
     return {"mine": mine, "all": torch.cat(gathered).flatten().tolist()}
+
+
+def prepare_all_at_once(family: str, steps: int) -> dict[str, Any]:
+    """``accel.prepare(model, optimizer, loader)`` with the optimizer made before (no tp_plan:
+    a transformers model is split by its own plan) and the same loop as :func:`train`."""
+    model = make(family)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.001)
+    per_rank = BATCH // accel.state().dp_world_size  # the same global batch on any mesh
+    loader = DataLoader(_data(family), batch_size=per_rank)
+    model, optimizer, loader = accel.prepare(model, optimizer, loader)
+    losses = []
+    for step, (x, y) in enumerate(loader):
+        if step == steps:
+            break
+        loss = _loss(family, model, x, y)
+        accel.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(accel.reduce(loss.detach(), reduction="mean")))
+    split = any(hasattr(p, "placements") for p in model.parameters())
+    return {"losses": losses, "weights": accel.get_state_dict(model), "split": split}
+
+
+def without_plan() -> dict[str, Any]:
+    """An MLP prepared under the block's mesh with no tp_plan (it carries none)."""
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("accel").addHandler(handler)
+    try:
+        model = accel.prepare_model(make("mlp"))
+    finally:
+        logging.getLogger("accel").removeHandler(handler)
+    split = any(hasattr(p, "placements") and "Shard" in str(p.placements)
+                and p.device_mesh.mesh_dim_names[-1] == "tp" for p in model.parameters())
+    return {"split": split, "said": [r for r in records if "has no tp_plan" in r]}

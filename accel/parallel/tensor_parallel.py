@@ -28,7 +28,15 @@ from accel.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["STYLE_NAMES", "apply_tensor_parallel", "matching_modules", "model_plan", "to_style"]
+__all__ = [
+    "STYLE_NAMES",
+    "apply_tensor_parallel",
+    "carries_plan",
+    "matching_modules",
+    "model_plan",
+    "note_left_whole",
+    "to_style",
+]
 
 _LOG = logging.getLogger("accel")
 
@@ -103,6 +111,36 @@ def model_plan(model: nn.Module) -> dict[str, Any]:
             "'rowwise'}`."
         )
     return dict(plan)
+
+
+def carries_plan(model: nn.Module) -> bool:
+    """Whether ``model`` carries a tensor-parallel plan of its own (``tp_plan="auto"`` works).
+
+    Example:
+        >>> carries_plan(LlamaForCausalLM(config)), carries_plan(nn.Linear(2, 2))
+        (True, False)
+    """
+    try:
+        model_plan(model)
+    except ConfigError:
+        return False
+    return True
+
+
+_SAID_WHOLE: set[str] = set()
+
+
+def note_left_whole(model: nn.Module, tp: int) -> None:
+    """Warn once per model class that a model without a plan is not split over ``tp`` ranks."""
+    name = type(model).__name__
+    if name in _SAID_WHOLE:
+        return
+    _SAID_WHOLE.add(name)
+    _LOG.warning(
+        "accel: tp_size=%d but %s has no tp_plan: it is not split, each of the %d "
+        "tensor-parallel ranks computes it whole (the same result, %dx the work). Pass "
+        "`prepare_model(model, tp_plan={...})` (see docs/parallelism.md).", tp, name, tp, tp
+    )
 
 
 def _matches(pattern: str, name: str) -> bool:

@@ -18,9 +18,13 @@ import torch
 from accel.testing import run_distributed
 from tests import mesh_models as mm
 
-HF = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None, reason="transformers not installed"
-)
+_NO_HF = importlib.util.find_spec("transformers") is None
+
+
+def HF(test: Any) -> Any:
+    """Skip without transformers; the workers get transformers' Llama from the warm server."""
+    test = pytest.mark.skipif(_NO_HF, reason="transformers not installed")(test)
+    return pytest.mark.preload("transformers", "transformers.models.llama.modeling_llama")(test)
 MESHES = {
     "tp2xfsdp2": {"tp_size": 2, "dp_shard_size": 2},
     "hsdp2x2": {"dp_replicate_size": 2, "dp_shard_size": 2},
@@ -229,3 +233,24 @@ def test_a_tp_group_sees_the_same_batches_and_metrics_count_each_sample_once(
     assert out[0]["mine"] != out[2]["mine"]  # the data-parallel ranks share the batches out
     for result in out:
         assert result["all"] == [float(i) for i in range(11)]  # every sample once, in order
+
+
+@HF
+def test_prepare_splits_a_transformers_model_by_its_own_plan() -> None:
+    """accel.prepare(model, optimizer, loader) under tp_size=2: no tp_plan given, the Llama is
+    split by its own plan, the optimizer made before is moved onto the split parameters."""
+    want = run_distributed(mm.prepare_all_at_once, "llama", 3, world_size=1, timeout=300)[0]
+    out = run_distributed(mm.prepare_all_at_once, "llama", 3, world_size=4, timeout=300,
+                          **MESHES["tp2xfsdp2"])
+    assert out[0]["split"] and not want["split"]
+    assert out[0]["losses"] == pytest.approx(want["losses"], abs=1e-5)
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(out[0]["weights"][name], value, atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_without_a_plan_stays_whole_and_says_so() -> None:
+    out = run_distributed(mm.without_plan, world_size=2, timeout=240, tp_size=2)
+    assert [o["split"] for o in out] == [False, False]
+    for result in out:
+        assert len(result["said"]) == 1
+        assert "MLP has no tp_plan: it is not split" in result["said"][0]
