@@ -35,11 +35,12 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
+from accel._failures import agree_on_failure
 from accel._state import scope
 from accel.checkpoint._fit import check_fits
 from accel.checkpoint._layout import MANIFEST
-from accel.checkpoint._loading import CheckpointInfo, agree, load_into
-from accel.checkpoint._saving import describe, unwrap
+from accel.checkpoint._loading import CheckpointInfo, load_into
+from accel.checkpoint._saving import unwrap
 from accel.checkpoint._stream import read_weights
 from accel.checkpoint._torch_pickle import check_loaded
 from accel.checkpoint._torch_zip import is_zip, opened_torch_file
@@ -406,33 +407,20 @@ def load_accelerate_state(
             "filesystem every rank shares."
         )
     assert target is not None  # every rank saw the same non-None path
-    read: _Read | None = None
-    error: str | None = None
-    try:
+    with agree_on_failure(lambda errors: CheckpointError(
+        f"load_state({os.fspath(directory)!r}) cannot load the Accelerate checkpoint at "
+        f"{os.fspath(target)!r}: {errors}"
+    )):
         read = _read(target, objects)
-    except Exception as exc:  # every rank must hear of it, not wait for a timeout
-        error = describe(exc)
-    errors = agree(error)
-    if errors or read is None:
-        raise CheckpointError(
-            f"load_state({os.fspath(directory)!r}) cannot load the Accelerate checkpoint at "
-            f"{os.fspath(target)!r}: {' | '.join(dict.fromkeys(errors))}"
-        )
-    error = None
-    try:
+    with agree_on_failure(lambda errors: CheckpointError(
+        f"load_state({os.fspath(directory)!r}) failed while restoring the Accelerate "
+        f"checkpoint at {os.fspath(target)!r}: {errors}"
+    )):
         for name, obj in objects.items():
             load_into(name, obj, read.states[name])
         scaler = scope().grad_scaler
         if read.scaler is not None and scaler is not None:
             scaler.load_state_dict(read.scaler)
-    except Exception as exc:
-        error = describe(exc)
-    errors = agree(error)
-    if errors:
-        raise CheckpointError(
-            f"load_state({os.fspath(directory)!r}) failed while restoring the Accelerate "
-            f"checkpoint at {os.fspath(target)!r}: {' | '.join(dict.fromkeys(errors))}"
-        )
     _report(target, read)
     return AccelerateCheckpointInfo(
         path=target, step=None, world_size=read.world_size, objects=tuple(objects),

@@ -19,7 +19,8 @@ from typing import Any
 import attrs
 from torch import nn
 
-from accel.errors import AccelError, CheckpointError
+from accel._failures import describe
+from accel.errors import CheckpointError
 from accel.model import unwrap_model
 
 __all__ = ["Call", "call_of", "settle"]
@@ -69,9 +70,7 @@ def call_of(
     shown += [(key, f"{value!r:.200}") for key, value in options.items()]
     names = ", ".join(f"{name}={_kind(obj)}" for name, obj in sorted(objects.items()))
     shown.append(("objects", f"[{names}]"))
-    text = None if problem is None else (
-        str(problem) if isinstance(problem, AccelError) else f"{type(problem).__name__}: {problem}"
-    )
+    text = None if problem is None else describe(problem)
     return Call(signature=tuple(shown), problem=text, machine=machine)
 
 

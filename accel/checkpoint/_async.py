@@ -32,11 +32,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from accel._failures import describe, rank_errors
 from accel._state import ScopeSlot, scope
 from accel.checkpoint._atomic import remove_dir
 from accel.checkpoint._format import FileRecord
 from accel.checkpoint._writer import PlannedFile, write_files
-from accel.collectives import begin, gather_object
+from accel.collectives import begin
 
 if TYPE_CHECKING:  # _saving (and the model code it needs) loads with the first save
     from accel.checkpoint._saving import SaveJob
@@ -115,8 +116,6 @@ def _snapshot(files: list[PlannedFile], staging: _Staging) -> Any:
 
 
 def _write(pending: _Pending, files: list[PlannedFile], event: Any) -> None:
-    from accel.checkpoint._saving import describe
-
     try:
         if event is not None:
             event.synchronize()
@@ -146,7 +145,7 @@ def launch(job: SaveJob, plan: Any) -> None:
     Every rank must call it after :func:`~accel.checkpoint._saving.start`. A snapshot that
     fails on any rank ends the save at once on every rank (:func:`finish` raises).
     """
-    from accel.checkpoint._saving import describe, finish
+    from accel.checkpoint._saving import finish
 
     here = scope()
     staging = _STAGING.get_or_create(_Staging, here)
@@ -158,7 +157,7 @@ def launch(job: SaveJob, plan: Any) -> None:
         event = _snapshot(files, staging)
     except Exception as exc:
         error = describe(exc)
-    if any(e is not None for e in gather_object(error)):
+    if rank_errors(error):
         finish(job, [], error)  # raises on every rank and removes the temporary directory
     pending = _Pending(job=job, cancelled=threading.Event())
     pending.thread = threading.Thread(

@@ -1,9 +1,10 @@
 """What both readers of ``load_state`` share: accel's own checkpoints and Accelerate's.
 
 :class:`CheckpointInfo` is what ``load_state`` returns; :func:`load_into` puts a saved state
-into its live object; :func:`agree` is the one collective after which every rank knows every
-rank's error. :mod:`accel.checkpoint.state` and :mod:`accel.checkpoint._accelerate_format` both
-import them from here, so neither imports the other's private names.
+into its live object. :mod:`accel.checkpoint.state` and :mod:`accel.checkpoint._accelerate_format`
+both import them from here, so neither imports the other's private names.
+:func:`agree_on_copy` is the one collective after which every rank knows every rank's
+verification error and that all ranks read copies of one save.
 
 Example:
     >>> load_into("optimizer", optimizer, saved_state)  # a CheckpointError names the object
@@ -17,12 +18,12 @@ from typing import Any
 import attrs
 from torch import nn
 
-from accel._state import state
+from accel._failures import label_errors
 from accel.checkpoint._saving import unwrap
 from accel.collectives import gather_object
 from accel.errors import CheckpointError
 
-__all__ = ["CheckpointInfo", "agree", "load_into"]
+__all__ = ["CheckpointInfo", "agree_on_copy", "load_into"]
 
 
 @attrs.frozen
@@ -55,16 +56,15 @@ def load_into(name: str, obj: Any, state_dict: Any) -> None:
         ) from exc
 
 
-def agree(error: str | None, save_id: str | None = None, what: str = "") -> list[str]:
+def agree_on_copy(error: str | None, save_id: str | None, what: str) -> list[str]:
     """Every rank's error (``[]`` when none failed): one collective, the same on all ranks.
 
-    With ``save_id`` (the manifest's, as each rank read it), copies from different saves
-    are an error too: machines' ``on_each_node`` copies where the save completed on some
-    machines only, or a checkpoint replaced while the ranks read it.
+    Copies from different saves (``save_id``, the manifest's, as each rank read it) are an
+    error too: machines' ``on_each_node`` copies where the save completed on some machines
+    only, or a checkpoint replaced while the ranks read it.
     """
     reports = gather_object((error, save_id))
-    errors = [f"rank {r}: {e}" if state().world_size > 1 else e
-              for r, (e, _) in enumerate(reports) if e is not None]
+    errors = label_errors([e for e, _ in reports])
     ids = {i for _, i in reports}
     if not errors and len(ids) > 1:
         errors = [

@@ -25,6 +25,7 @@ import attrs
 import torch
 from torch import nn
 
+from accel._failures import describe
 from accel._state import state
 from accel.accumulation import accumulation_step
 from accel.checkpoint import _nodes, _place
@@ -40,14 +41,9 @@ from accel.collectives import gather_object
 from accel.errors import AccelError, CheckpointError
 from accel.model import unwrap_model
 
-__all__ = ["GRADS", "SaveJob", "describe", "finish", "plan_rank_files", "start", "unwrap"]
+__all__ = ["GRADS", "SaveJob", "finish", "plan_rank_files", "start", "unwrap"]
 
 GRADS = "__gradients"  # file suffix of a model's accumulated gradients
-
-
-def describe(exc: BaseException) -> str:
-    """An error as one line for the other ranks: accel's own message, else type and text."""
-    return str(exc) if isinstance(exc, AccelError) else f"{type(exc).__name__}: {exc}"
 
 
 @attrs.define(eq=False)

@@ -34,6 +34,7 @@ import attrs
 import torch
 from torch import nn
 
+from accel._failures import agree_on_failure, describe
 from accel._settings import cpu_count, did_you_mean
 from accel._state import has_active_state, scope, state
 from accel.accumulation import set_accumulation_step
@@ -48,11 +49,11 @@ from accel.checkpoint._layout import (
     latest_checkpoint,
     read_manifest,
 )
-from accel.checkpoint._loading import CheckpointInfo, agree, load_into
+from accel.checkpoint._loading import CheckpointInfo, agree_on_copy, load_into
 from accel.checkpoint._objects import read_object
 from accel.checkpoint._paths import as_path
 from accel.checkpoint._reshard import resolve
-from accel.checkpoint._saving import GRADS, describe, unwrap
+from accel.checkpoint._saving import GRADS, unwrap
 from accel.checkpoint._screening import listed, missing_objects, screen
 from accel.checkpoint._sharded import check_layout
 from accel.checkpoint._values import check_counter, check_gradients, check_rng, check_values
@@ -402,29 +403,79 @@ def load_state(
     """
     begin("load_state")
     finish_pending()  # an asynchronous save completes (or fails) before anything is read
+    names, explicit = _agreed_candidates(directory, objects, missing_ok, on_each_node)
+    if not names or not explicit:  # perhaps written by HuggingFace Accelerate's save_state
+        from accel.checkpoint import _accelerate_format as hf
+
+        loaded = hf.load_accelerate_state(Path(directory), names, objects)  # every rank
+        if loaded is not None:
+            return loaded
+    where = os.fspath(directory)
+    if not names:
+        if missing_ok:
+            return None
+        raise CheckpointError(
+            f"No complete checkpoint at {where!r}{hf.describe_found(Path(directory))}. "
+            "Check the path, or pass "
+            "`missing_ok=True` to start from scratch when there is none."
+        )
+    plan = _first_verified(names, explicit, objects, where)
+    with agree_on_failure(lambda errors: CheckpointError(
+        f"load_state({where!r}) failed while restoring {os.fspath(plan.info.path)!r}: {errors}"
+    )):
+        _apply(plan, objects, state().world_size)
+    return plan.info
+
+
+def _load_arguments(
+    directory: str | os.PathLike[str], objects: dict[str, Any], on_each_node: bool | None
+) -> tuple[AccelError | None, bool]:
+    """This rank's argument error (raised at once on one process) and ``on_each_node``."""
     st = state()
-    own: AccelError | None = None
     try:  # arguments only: every rank that passed the same ones meets the same error
         _require_objects(objects, "load_state", directory)
         _check_objects(objects, "load_state")
-        each = _nodes.resolve(on_each_node, "load_state")
+        return None, _nodes.resolve(on_each_node, "load_state")
     except AccelError as exc:
         if st.world_size == 1:
             raise
-        own, each = exc, st.on_each_node  # told to every rank below, on the first gather
+        return exc, st.on_each_node  # told to every rank on the first gather
+
+
+def _listed_candidates(
+    directory: str | os.PathLike[str], writer: bool, own: AccelError | None
+) -> tuple[list[Path], bool, AccelError | None]:
+    """The checkpoints a writer finds under ``directory``, whether ``directory`` is one, and
+    the error met (raised at once on one process)."""
+    if not writer or own is not None:
+        return [], False, own
+    try:
+        found, explicit = candidates(Path(directory))
+    except Exception as exc:  # every rank must hear of it, not wait for a timeout
+        if state().world_size == 1:
+            raise
+        return [], False, exc if isinstance(exc, AccelError) else CheckpointError(
+            f"load_state({os.fspath(directory)!r}) could not list its checkpoints: "
+            f"{describe(exc)}"
+        )
+    return found, explicit, None
+
+
+def _agreed_candidates(
+    directory: str | os.PathLike[str], objects: dict[str, Any], missing_ok: bool,
+    on_each_node: bool | None,
+) -> tuple[list[str], bool]:
+    """The checkpoints every rank (every machine) sees, newest first, and whether they are
+    explicit checkpoint directories; one collective.
+
+    Raises:
+        CheckpointError: on every rank alike: the ranks' arguments differ or failed, or no
+            checkpoint is on every machine.
+    """
+    st = state()
+    own, each = _load_arguments(directory, objects, on_each_node)
     writer, group = _nodes.writes(each), _nodes.group_of(each)
-    found: list[Path] = []
-    explicit = False
-    if writer and own is None:
-        try:
-            found, explicit = candidates(Path(directory))
-        except Exception as exc:  # every rank must hear of it, not wait for a timeout
-            if st.world_size == 1:
-                raise
-            own = exc if isinstance(exc, AccelError) else CheckpointError(
-                f"load_state({os.fspath(directory)!r}) could not list its checkpoints: "
-                f"{describe(exc)}"
-            )
+    found, explicit, own = _listed_candidates(directory, writer, own)
     call = call_of(directory, objects, {
         "missing_ok": missing_ok,
         "on_each_node": _shown(lambda v: _nodes.resolve(v, "load_state"), on_each_node),
@@ -433,8 +484,8 @@ def load_state(
     gathered = gather_object(((group, writer, [os.fspath(p) for p in found], explicit), call))
     settle("load_state", [c for _, c in gathered], own, "nothing was loaded")
     names, explicit, partial = _nodes.agree_candidates([e for e, _ in gathered], group)
-    where = os.fspath(directory)
     if partial:
+        where = os.fspath(directory)
         if not names:
             raise CheckpointError(
                 f"No checkpoint at {where!r} is on every machine ({'; '.join(partial)}): "
@@ -444,22 +495,21 @@ def load_state(
         warnings.warn(
             f"load_state({where!r}) skips checkpoints that not every machine holds: "
             f"{'; '.join(partial)}.",
-            stacklevel=2,
+            stacklevel=3,
         )
-    if not names or not explicit:  # perhaps written by HuggingFace Accelerate's save_state
-        from accel.checkpoint import _accelerate_format as hf
+    return names, explicit
 
-        loaded = hf.load_accelerate_state(Path(directory), names, objects)  # every rank
-        if loaded is not None:
-            return loaded
-    if not names:
-        if missing_ok:
-            return None
-        raise CheckpointError(
-            f"No complete checkpoint at {where!r}{hf.describe_found(Path(directory))}. "
-            "Check the path, or pass "
-            "`missing_ok=True` to start from scratch when there is none."
-        )
+
+def _first_verified(
+    names: list[str], explicit: bool, objects: dict[str, Any], where: str
+) -> _Plan:
+    """The newest candidate that every rank verified (older ones are tried after a warning,
+    unless ``explicit``).
+
+    Raises:
+        CheckpointError: on every rank alike, when none verifies (or the explicit one fails).
+    """
+    st = state()
     skipped: list[str] = []
     plan: _Plan | None = None
     # candidates that cannot load are found with one collective, not one each
@@ -473,7 +523,7 @@ def load_state(
             plan = _verify(Path(name), objects, st.rank, st.world_size)
         except Exception as exc:  # every rank must hear of it, not wait for a timeout
             error = describe(exc)
-        errors = agree(error, plan.save_id if plan is not None else None, repr(name))
+        errors = agree_on_copy(error, plan.save_id if plan is not None else None, repr(name))
         if not errors:
             break
         plan = None
@@ -489,17 +539,6 @@ def load_state(
         warnings.warn(
             f"load_state({where!r}) skipped checkpoints that failed verification "
             f"({listed(skipped)}) and loaded the older {os.fspath(plan.info.path)!r} instead.",
-            stacklevel=2,
+            stacklevel=3,
         )
-    error = None
-    try:
-        _apply(plan, objects, st.world_size)
-    except Exception as exc:
-        error = describe(exc)
-    errors = agree(error)
-    if errors:
-        raise CheckpointError(
-            f"load_state({where!r}) failed while restoring {os.fspath(plan.info.path)!r}: "
-            f"{' | '.join(dict.fromkeys(errors))}"
-        )
-    return plan.info
+    return plan
