@@ -134,6 +134,11 @@ class _Pieces:
             piece = held.get(key) if isinstance(held, Mapping) else None
             if not isinstance(piece, torch.Tensor) or list(piece.shape) != list(size):
                 raise self._corrupt(f"{stem}.safetensors lacks its piece of {key!r}")
+            if piece.dtype != dtype:
+                raise self._corrupt(
+                    f"{stem}.safetensors holds its piece of {key!r} as {piece.dtype}, not the "
+                    f"{dtype} the structure file records"
+                )
             found.append((piece, start, lo, hi))
         needed = math.prod(shape)
         filled = sum(math.prod(b - a for a, b in zip(lo, hi, strict=True))

@@ -17,6 +17,7 @@ is followed, no special file is read, reads stop at the declared size.
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 from collections.abc import Mapping
@@ -124,31 +125,34 @@ def _pieces(bodies: Mapping[str, Any], name: str) -> dict[str, list[tuple[Any, A
 
 def _coverage(name: str, meta: Mapping[str, Any], pieces: Mapping[str, Any]) -> list[str]:
     """Problems of a sharded object: tensors whose pieces do not cover them exactly once."""
+    from accel.checkpoint._reshard import _counts, _disjoint
+
     problems = []
     for key, info in meta.items():
         shape = info.get("shape") if isinstance(info, Mapping) else None
-        if not isinstance(shape, list):
-            problems.append(f"{name}: no global shape for {key!r}")
+        if not _counts(shape):
+            problems.append(f"{name}: no valid global shape for {key!r} ({shape!r:.60})")
             continue
-        total = 1
-        for dim in shape:
-            total *= int(dim)
-        covered = 0
+        boxes: list[tuple[list[int], list[int]]] = []
         for offset, size in pieces.get(key, []):
-            if not (isinstance(offset, list) and isinstance(size, list)
-                    and len(offset) == len(size) == len(shape)
-                    and all(o >= 0 and o + s <= d for o, s, d in zip(offset, size, shape,
-                                                                      strict=True))):
+            if not (_counts(offset) and _counts(size) and len(offset) == len(size) == len(shape)
+                    and all(o + s <= d for o, s, d in zip(offset, size, shape, strict=True))):
                 problems.append(f"{name}: a piece of {key!r} lies outside its shape {shape}")
                 break
-            count = 1
-            for dim in size:
-                count *= int(dim)
-            covered += count
+            boxes.append((offset, [o + s for o, s in zip(offset, size, strict=True)]))
         else:
+            covered = sum(math.prod(b - a for a, b in zip(lo, hi, strict=True))
+                          for lo, hi in boxes if all(b > a for a, b in zip(lo, hi, strict=True)))
+            total = math.prod(shape)
             if covered != total:
                 problems.append(
                     f"{name}: the ranks' pieces of {key!r} hold {covered} of its {total} values"
+                )
+            elif not _disjoint([box for box in boxes
+                                if all(b > a for a, b in zip(*box, strict=True))]):
+                problems.append(
+                    f"{name}: the ranks' pieces of {key!r} overlap: some values are held twice "
+                    "and others not at all"
                 )
     return problems
 
@@ -157,6 +161,18 @@ def _split_dims(pieces: Mapping[str, list[tuple[Any, Any]]]) -> list[int]:
     dims = {i for spots in pieces.values() for offset, _ in spots
             if isinstance(offset, list) for i, o in enumerate(offset) if o}
     return sorted(dims)
+
+
+def _files_by_object(entries: list[dict[str, Any]], objects: list[str]) -> dict[str, list[str]]:
+    """Each object's files (``NAME.*`` and ``NAME__*``), in one pass over the entries."""
+    names = set(objects)
+    owned: dict[str, list[str]] = {}
+    for entry in entries:
+        stem = entry["name"].split(".", 1)[0]
+        candidates = {stem} | {stem[:i] for i in range(len(stem)) if stem.startswith("__", i)}
+        for name in candidates & names:
+            owned.setdefault(name, []).append(entry["name"])
+    return owned
 
 
 def _describe_accel(path: Path, tensors: bool, check_crc: bool) -> dict[str, Any]:
@@ -179,16 +195,18 @@ def _describe_accel(path: Path, tensors: bool, check_crc: bool) -> dict[str, Any
     others = sorted(set(os.listdir(path)) - listed)
     objects = []
     mesh: dict[str, Any] | None = None
+    owned = _files_by_object(entries, manifest["objects"])
+    sizes = {e["name"]: e["size"] for e in entries}
     for name in manifest["objects"]:
         body = bodies.get(name)
         if f"{name}.json" not in listed:
             problems.append(f"{name}: its structure file {name}.json is not in the manifest")
         extra = body.get("extra") if isinstance(body, Mapping) else None
         meta = extra.get("sharded") if isinstance(extra, Mapping) else None
-        own = sorted(e["name"] for e in entries if e["name"].startswith((f"{name}.", f"{name}__")))
+        own = sorted(owned.get(name, []))
         item: dict[str, Any] = {
             "name": name, "kind": _kind(name, body), "layout": "full", "files": own,
-            "bytes": sum(e["size"] for e in entries if e["name"] in own),
+            "bytes": sum(sizes[f] for f in own),
         }
         if isinstance(extra, Mapping) and isinstance(extra.get("tied"), Mapping):
             item["tied"] = dict(extra["tied"])

@@ -216,6 +216,9 @@ def _accel_source(path: Path, wanted: str | None) -> ModelTensors:
             )
         full, _ = read_safetensors(tensor_path, expected_crc32=meta["crc32"],
                                    expected_size=meta["size"], follow_links=False)
+        from accel.checkpoint._values import check_recorded
+
+        check_recorded(os.fspath(tensor_path), full, body.get("dtypes"))  # no relabelled header
         headers = {k: (tuple(t.shape), t.dtype) for k, t in full.items()}
     sharded = extra.get("sharded") if isinstance(extra, Mapping) else None
     pieces = _Pieces(path, name, files, sharded) if sharded is not None else None

@@ -203,6 +203,22 @@ def test_fsdp_checkpoint_mesh_pieces_and_coverage(
     _rewrite(crafted, "model__shards_rank1.json", json.dumps(body).encode())
     code, out, _ = _run(capsys, "verify", str(crafted))
     assert code == 1 and "pieces of 'embed.weight' hold" in out, out
+    # pieces that overlap (rank 1's placed on rank 0's: as many values, some twice)
+    body = json.loads((path / "model__shards_rank1.json").read_text())
+    body["extra"]["pieces"]["embed.weight"]["offset"] = [0, 0]
+    shutil.rmtree(crafted)
+    shutil.copytree(path, crafted)
+    _rewrite(crafted, "model__shards_rank1.json", json.dumps(body).encode())
+    code, out, _ = _run(capsys, "verify", str(crafted))
+    assert code == 1 and "pieces of 'embed.weight' overlap" in out, out
+    # a global shape that is not a list of counts: a problem named, not a crash
+    body = json.loads((path / "model.json").read_text())
+    body["extra"]["sharded"]["embed.weight"]["shape"] = ["lots", 13]
+    shutil.rmtree(crafted)
+    shutil.copytree(path, crafted)
+    _rewrite(crafted, "model.json", json.dumps(body).encode())
+    code, out, _ = _run(capsys, "verify", str(crafted))
+    assert code == 1 and "no valid global shape for 'embed.weight'" in out, out
     os.unlink(path / "optimizer__shards_rank0.safetensors")
     code, out, _ = _run(capsys, "verify", str(path))
     assert code == 1 and "optimizer__shards_rank0.safetensors: missing" in out

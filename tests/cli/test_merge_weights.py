@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +215,7 @@ def test_one_process_checkpoint_from_its_root(
     ("truncate", "truncated"),
     ("flip", "CRC32"),
     ("delete", "missing"),
+    ("relabel", "declares other dtypes than its structure file recorded"),
 ])
 def test_a_damaged_checkpoint_writes_nothing(
     single: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -226,6 +228,15 @@ def test_a_damaged_checkpoint_writes_nothing(
         file.write_bytes(data[:-10])
     elif damage == "flip":
         file.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    elif damage == "relabel":  # a header's F32 made I32, the manifest's CRC32 made to match
+        relabelled = data.replace(b'"dtype":"F32"', b'"dtype":"I32"', 1)
+        assert relabelled != data
+        file.write_bytes(relabelled)
+        manifest = json.loads((path / "manifest.json").read_text())
+        for entry in manifest["files"]:
+            if entry["name"] == "model.safetensors":
+                entry["crc32"] = zlib.crc32(relabelled)
+        (path / "manifest.json").write_text(json.dumps(manifest))
     else:
         file.unlink()
     assert _merge(str(path), str(tmp_path / "out" / "weights")) == 2
