@@ -29,6 +29,8 @@ _DTYPES: Mapping[str, torch.dtype | None] = {
     "fp8": torch.bfloat16,
 }
 _REDUCED = (torch.float16, torch.bfloat16)
+# AutocastForward's resolved policy: (policy, device, dtype, device type, autocast enabled)
+_Plan = tuple[str, "torch.device | None", "torch.dtype | None", str, bool]
 
 
 def autocast_dtype(mixed_precision: MixedPrecision | str) -> torch.dtype | None:
@@ -93,15 +95,20 @@ def autocast(
 
 
 def _to_fp32(value: Any) -> Any:
+    """``value`` with fp16/bf16 tensors cast to fp32; the same object when none is reduced."""
     if isinstance(value, torch.Tensor):
         return value.float() if value.dtype in _REDUCED else value
     if isinstance(value, list | tuple):
         items = [_to_fp32(item) for item in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value  # nothing to cast: no rebuilt containers
         if hasattr(value, "_fields"):  # namedtuple
             return type(value)(*items)
         return type(value)(items) if isinstance(value, tuple) else items
     if isinstance(value, dict):
         converted = {key: _to_fp32(item) for key, item in value.items()}
+        if all(converted[key] is item for key, item in value.items()):
+            return value
         try:
             return type(value)(converted)  # keeps dict subclasses (e.g. ModelOutput)
         except TypeError:
@@ -132,6 +139,14 @@ class AutocastForward:
     captured at prepare time are used instead: reading the state's ContextVar there would
     break the graph.
 
+    The autocast region is entered as :func:`torch.autocast` enters it (the same thread-local
+    switches, set and restored, and the cast cache cleared when the outermost region ends),
+    without building a ``torch.autocast`` object per call: its checks (device, dtype support)
+    run once per policy, when the policy is first seen. Under a torch function mode (e.g.
+    ``torch.export`` tracing) a real ``torch.autocast`` is used, so the mode sees the region.
+    Outputs that are already fp32 (or not floating) are returned as they are, containers
+    included.
+
     Example:
         >>> with accel.distributed(mixed_precision="bf16"):
         ...     net = accel.prepare_model(nn.Linear(2, 2))
@@ -139,7 +154,7 @@ class AutocastForward:
         'AutocastForward'
     """
 
-    __slots__ = ("__wrapped__", "device_type", "dtype", "instance_attribute", "original")
+    __slots__ = ("__wrapped__", "_plan", "device_type", "dtype", "instance_attribute", "original")
 
     def __init__(
         self,
@@ -154,18 +169,61 @@ class AutocastForward:
         self.instance_attribute = instance_attribute  # original was an instance attribute
         self.dtype = dtype  # the policy at prepare time (used while compiling)
         self.device_type = device_type
+        # The last policy and device seen at call time and what they resolve to, in one
+        # tuple (replaced whole, so a thread never sees half an update): see _resolve.
+        self._plan: _Plan = ("", None, None, device_type, False)
+
+    def _resolve(self, policy: str, device: torch.device) -> _Plan:
+        """Work out (once per policy and device) what the autocast region switches on."""
+        dtype = _DTYPES.get(policy)
+        enabled = False
+        if dtype is not None:
+            # torch.autocast's own checks (device available, dtype supported), run once: it
+            # raises for an unsupported device and warns and disables for an unusable dtype.
+            enabled = bool(torch.autocast(device_type=device.type, dtype=dtype)._enabled)
+        plan: _Plan = (policy, device, dtype, device.type, enabled)
+        self._plan = plan
+        return plan
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            dtype, device_type = self.dtype, self.device_type
-        else:
-            st = state()
-            dtype, device_type = _DTYPES.get(st.mixed_precision), st.device.type
+            return self._call_compiling(args, kwargs)
+        st = state()
+        policy, device = st.mixed_precision, st.device
+        plan = self._plan
+        if policy != plan[0] or device is not plan[1]:
+            plan = self._resolve(policy, device)
+        _, _, dtype, device_type, enabled = plan
         if dtype is None:
             return self.original(*args, **kwargs)
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            outputs = self.original(*args, **kwargs)
+        if torch._C._is_torch_function_mode_enabled():  # e.g. export: let the mode see it
+            with torch.autocast(device_type=device_type, dtype=dtype):
+                outputs = self.original(*args, **kwargs)
+        else:
+            # torch.autocast.__enter__/__exit__, minus the object (cache_enabled unchanged).
+            was_enabled = torch.is_autocast_enabled(device_type)
+            was_dtype = torch.get_autocast_dtype(device_type)
+            torch.set_autocast_enabled(device_type, enabled)
+            torch.set_autocast_dtype(device_type, dtype)
+            torch.autocast_increment_nesting()
+            try:
+                outputs = self.original(*args, **kwargs)
+            finally:
+                if torch.autocast_decrement_nesting() == 0:
+                    torch.clear_autocast_cache()
+                torch.set_autocast_enabled(device_type, was_enabled)
+                torch.set_autocast_dtype(device_type, was_dtype)
         if isinstance(outputs, torch.Tensor):  # the common case, without the tree walk
+            return outputs.float() if outputs.dtype in _REDUCED else outputs
+        return _to_fp32(outputs)
+
+    def _call_compiling(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The forward inside a ``torch.compile`` region: the prepare-time policy, traced."""
+        if self.dtype is None:
+            return self.original(*args, **kwargs)
+        with torch.autocast(device_type=self.device_type, dtype=self.dtype):
+            outputs = self.original(*args, **kwargs)
+        if isinstance(outputs, torch.Tensor):
             return outputs.float() if outputs.dtype in _REDUCED else outputs
         return _to_fp32(outputs)
 

@@ -6,9 +6,17 @@ accumulation written by hand) and through accel (``prepare`` + ``accumulate`` + 
 Both are timed in alternating windows so machine drift hits both; the report gives per-step
 microseconds (median over windows) and the median of the paired differences.
 
+``--mixed-precision no bf16 fp16`` measures each policy in the same run (the issue 23 check:
+bf16/fp16 overhead against the fp32 one). Under bf16/fp16 the raw loop runs its forward under
+``torch.autocast`` by hand and keeps the outputs as they come (``--raw-fp32-outputs`` makes it
+call ``.float()`` on them, as accel's prepared forward does by default); under fp16 the raw
+loop scales the loss with its own ``torch.amp.GradScaler`` (``scale``/``step``/``update``).
+
 Usage:
     python bench/step_overhead.py                 # 1 process and 2 processes
     python bench/step_overhead.py --procs 1 --windows 40 --steps 200
+    python bench/step_overhead.py --procs 1 --accumulation 1 --mixed-precision no bf16 fp16 \
+        --clock cpu --windows 60 --steps 100
 """
 
 from __future__ import annotations
@@ -26,35 +34,67 @@ from torch import nn
 import accel
 from accel.testing import run_distributed
 
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_clock = time.perf_counter  # --clock cpu: time.thread_time (CPU time of this thread)
+
+
+class _Raw:
+    """What the raw loop does by hand under a mixed precision policy."""
+
+    def __init__(self, mixed_precision: str, fp32_outputs: bool) -> None:
+        self.dtype = _DTYPES.get(mixed_precision)
+        self.fp32_outputs = fp32_outputs
+        self.scaler = torch.amp.GradScaler("cpu") if mixed_precision == "fp16" else None
+
+    def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.dtype is None:
+            out: torch.Tensor = model(x)
+            return out
+        with torch.autocast("cpu", dtype=self.dtype):
+            out = model(x)
+        return out.float() if self.fp32_outputs else out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    def step(self, opt: torch.optim.Optimizer) -> None:
+        if self.scaler is None:
+            opt.step()
+        else:
+            self.scaler.step(opt)
+            self.scaler.update()
+
 
 def _raw_loop(model: nn.Module, opt: torch.optim.Optimizer, data: Any, steps: int,
-              accumulation: int) -> float:
+              accumulation: int, raw: _Raw) -> float:
     xs, ys = data
     loss_fn = nn.MSELoss()
     is_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
-    start = time.perf_counter()
+    start = _clock()
     for i in range(steps):
         x, y = xs[i % len(xs)], ys[i % len(ys)]
         sync = (i + 1) % accumulation == 0
         if is_ddp and not sync:
             with model.no_sync():  # type: ignore[operator]
-                loss = loss_fn(model(x), y) / accumulation
-                loss.backward()
+                loss = loss_fn(raw.forward(model, x), y) / accumulation
+                raw.backward(loss)
         else:
-            loss = loss_fn(model(x), y)
+            loss = loss_fn(raw.forward(model, x), y)
             if accumulation > 1:
                 loss = loss / accumulation
-            loss.backward()
+            raw.backward(loss)
         if sync:
-            opt.step()
+            raw.step(opt)
             opt.zero_grad()
-    return time.perf_counter() - start
+    return _clock() - start
 
 
 def _accel_loop(model: nn.Module, opt: Any, data: Any, steps: int) -> float:
     xs, ys = data
     loss_fn = nn.MSELoss()
-    start = time.perf_counter()
+    start = _clock()
     for i in range(steps):
         x, y = xs[i % len(xs)], ys[i % len(ys)]
         with accel.accumulate(model):
@@ -62,11 +102,14 @@ def _accel_loop(model: nn.Module, opt: Any, data: Any, steps: int) -> float:
             accel.backward(loss)
             opt.step()
             opt.zero_grad()
-    return time.perf_counter() - start
+    return _clock() - start
 
 
-def measure(windows: int, steps: int, accumulation: int) -> dict[str, Any]:
+def measure(windows: int, steps: int, accumulation: int, mixed_precision: str = "no",
+            raw_fp32_outputs: bool = False, clock: str = "wall") -> dict[str, Any]:
     """Time raw and accel loops in alternating windows (call on every rank)."""
+    global _clock
+    _clock = time.thread_time if clock == "cpu" else time.perf_counter
     torch.manual_seed(0)
     torch.set_num_threads(1)
     st = accel.state()
@@ -75,17 +118,20 @@ def measure(windows: int, steps: int, accumulation: int) -> dict[str, Any]:
     if st.world_size > 1:
         raw_model = nn.parallel.DistributedDataParallel(raw_model)
     raw_opt = torch.optim.SGD(raw_model.parameters(), lr=0.01)
-    with accel.distributed(gradient_accumulation_steps=accumulation):
+    by_hand = _Raw(mixed_precision, raw_fp32_outputs)
+    with accel.distributed(gradient_accumulation_steps=accumulation,
+                           mixed_precision=mixed_precision):
         model = accel.prepare_model(nn.Linear(10, 5))
         opt = accel.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
-        _raw_loop(raw_model, raw_opt, data, steps, accumulation)  # warm up both
+        _raw_loop(raw_model, raw_opt, data, steps, accumulation, by_hand)  # warm up both
         _accel_loop(model, opt, data, steps)
         raw, acc = [], []
         for w in range(windows):
             order = (0, 1) if w % 2 == 0 else (1, 0)
             for which in order:
                 if which == 0:
-                    raw.append(_raw_loop(raw_model, raw_opt, data, steps, accumulation) / steps)
+                    seconds = _raw_loop(raw_model, raw_opt, data, steps, accumulation, by_hand)
+                    raw.append(seconds / steps)
                 else:
                     acc.append(_accel_loop(model, opt, data, steps) / steps)
     diffs = [a - r for a, r in zip(acc, raw, strict=True)]
@@ -102,19 +148,50 @@ def main() -> None:
     parser.add_argument("--procs", type=int, nargs="*", default=[1, 2])
     parser.add_argument("--windows", type=int, default=30)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--accumulation", type=int, nargs="*", default=[1, 4])
+    parser.add_argument("--mixed-precision", nargs="*", default=["no"],
+                        choices=["no", "bf16", "fp16"],
+                        help="policies to measure, each in turn in the same run")
+    parser.add_argument("--raw-fp32-outputs", action="store_true",
+                        help="the raw loop casts its autocast outputs to fp32 by hand")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: time.thread_time, the CPU time the loop itself used (on a "
+                             "machine loaded by others, waits for a core do not count)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the policy sweep, interleaved; the report keeps each "
+                             "policy's lowest overhead (best of rounds)")
     args = parser.parse_args()
     report: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0],
-                              "windows": args.windows, "steps_per_window": args.steps}
+                              "windows": args.windows, "steps_per_window": args.steps,
+                              "raw_fp32_outputs": args.raw_fp32_outputs, "clock": args.clock,
+                              "loadavg": _loadavg()}
     for procs in args.procs:
-        for accumulation in (1, 4):
-            key = f"procs={procs},accumulation={accumulation}"
-            if procs == 1:
-                report[key] = measure(args.windows, args.steps, accumulation)
-            else:
-                results = run_distributed(measure, args.windows, args.steps, accumulation,
-                                          world_size=procs, timeout=1800)
-                report[key] = results[0]
+        for accumulation in args.accumulation:
+            for _ in range(args.rounds):
+                for policy in args.mixed_precision:
+                    key = f"procs={procs},accumulation={accumulation}"
+                    if policy != "no" or len(args.mixed_precision) > 1:
+                        key += f",mixed_precision={policy}"
+                    call = (args.windows, args.steps, accumulation, policy,
+                            args.raw_fp32_outputs, args.clock)
+                    if procs == 1:
+                        result = measure(*call)
+                    else:
+                        result = run_distributed(measure, *call, world_size=procs,
+                                                 timeout=1800)[0]
+                    old = report.get(key)
+                    if old is None or result["overhead_us"] < old["overhead_us"]:
+                        report[key] = result
+    report["loadavg_after"] = _loadavg()
     print(json.dumps(report, indent=2))
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 if __name__ == "__main__":

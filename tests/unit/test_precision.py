@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import namedtuple
+from typing import Any
 
 import pytest
 import torch
@@ -97,3 +98,80 @@ def test_autocast_forward_reads_policy_at_call_time() -> None:
             assert module.seen[-1] == torch.float32
         wrapped(torch.ones(1, 4))
         assert module.seen[-1] == torch.bfloat16
+
+
+def _autocast_switches() -> tuple[bool, torch.dtype, bool]:
+    return (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+            torch.is_autocast_cache_enabled())
+
+
+def test_autocast_forward_restores_the_switches_it_sets() -> None:
+    module = _Recorder()
+    wrapped = AutocastForward(module.forward)
+    before = _autocast_switches()
+    with set_state(ProcessState(mixed_precision="bf16"), Scope()):
+        wrapped(torch.ones(1, 4))
+        assert _autocast_switches() == before
+        with torch.autocast("cpu", dtype=torch.float16):  # a user's region around it
+            inside = _autocast_switches()
+            wrapped(torch.ones(1, 4))
+            assert module.seen[-1] == torch.bfloat16  # the policy's dtype inside the forward
+            assert _autocast_switches() == inside
+            assert (A @ A).dtype == torch.float16
+        assert _autocast_switches() == before
+
+
+def test_autocast_forward_restores_the_switches_when_the_forward_raises() -> None:
+    def failing(x: torch.Tensor) -> torch.Tensor:
+        assert torch.is_autocast_enabled("cpu")
+        raise ValueError("boom")
+
+    before = _autocast_switches()
+    with set_state(ProcessState(mixed_precision="fp16"), Scope()), pytest.raises(
+        ValueError, match="boom"
+    ):
+        AutocastForward(failing)(torch.ones(1))
+    assert _autocast_switches() == before
+    assert (A @ A).dtype == torch.float32
+
+
+def test_autocast_forward_follows_a_policy_change_between_calls() -> None:
+    module = _Recorder()
+    wrapped = AutocastForward(module.forward)
+    for policy, expected in [("bf16", torch.bfloat16), ("fp16", torch.float16),
+                             ("no", torch.float32), ("bf16", torch.bfloat16)]:
+        with set_state(ProcessState(mixed_precision=policy), Scope()):  # type: ignore[arg-type]
+            assert wrapped(torch.ones(1, 4))["y"].dtype == torch.float32
+            assert module.seen[-1] == expected
+
+
+def test_autocast_forward_under_a_torch_function_mode_uses_torch_autocast() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    seen: list[object] = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    module = _Recorder()
+    with set_state(ProcessState(mixed_precision="bf16"), Scope()), Watch():
+        out = AutocastForward(module.forward)(torch.ones(1, 4))
+    assert module.seen[-1] == torch.bfloat16
+    assert out["y"].dtype == torch.float32
+    assert seen  # the mode saw the forward's calls
+
+
+def test_fp32_outputs_come_back_as_the_same_objects() -> None:
+    full = torch.ones(2)
+    ints = torch.arange(3)
+    nested = {"a": [full, (ints, "x")], "p": Pair(full, 1)}
+    assert outputs_to_fp32(nested) is nested
+    assert outputs_to_fp32(full) is full
+    listed = [full, ints]
+    assert outputs_to_fp32(listed) is listed
+    with set_state(ProcessState(mixed_precision="bf16"), Scope()):
+        wrapped = AutocastForward(lambda: nested)
+        assert wrapped() is nested
