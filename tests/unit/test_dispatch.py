@@ -14,7 +14,9 @@ from torch import nn
 from accel.big_model.dispatch import cpu_offload, disk_offload, dispatch_model, remove_hooks
 from accel.errors import DeviceMapError
 
-ATOL = 1e-6
+# On the CPU the dispatched model runs the same kernels as the reference; where accel's device is
+# a GPU, its kernels sum in another order (differences of a few ulps of the logits).
+ATOL, RTOL = (1e-6, 0.0) if not torch.cuda.is_available() else (1e-5, 1e-5)
 
 
 class Block(nn.Module):
@@ -61,10 +63,10 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _assert_same(out: dict[str, Any], ref: dict[str, Any]) -> None:
     assert set(out) == set(ref)
-    torch.testing.assert_close(out["logits"], ref["logits"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out["logits"], ref["logits"], atol=ATOL, rtol=RTOL)
     assert isinstance(out["hidden"], tuple) and len(out["hidden"]) == len(ref["hidden"])
     for a, b in zip(out["hidden"], ref["hidden"], strict=True):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
 
 
 def _reference(model: nn.Module) -> dict[str, Any]:
@@ -239,10 +241,10 @@ def test_eval_no_grad_and_grad_mode(tmp_path: Path) -> None:
     dispatch_model(model, MIXED, offload_dir=tmp_path).eval()
     assert not model.training and not model.blocks[0].training
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, shift=shift)["logits"], ref, atol=ATOL, rtol=0)
+        torch.testing.assert_close(model(ids, shift=shift)["logits"], ref, atol=ATOL, rtol=RTOL)
     out = model(ids, shift=shift)["logits"]  # grad mode: still runs, output has a graph
     assert out.requires_grad
-    torch.testing.assert_close(out.detach(), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.detach(), ref, atol=ATOL, rtol=RTOL)
 
 
 def test_remove_hooks_restores_a_plain_module(tmp_path: Path) -> None:
@@ -359,13 +361,13 @@ def test_offload_buffers(tmp_path: Path) -> None:
     ref = model(x).detach()
     dispatch_model(model, {"": "disk"}, offload_dir=tmp_path, offload_buffers=True)
     assert model[1].running_mean.device.type == "meta"
-    torch.testing.assert_close(model(x).detach(), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(model(x).detach(), ref, atol=ATOL, rtol=RTOL)
     assert model[1].running_mean.device.type == "meta"
     with safe_open(tmp_path / "accel-offload.safetensors", framework="pt") as f:
         assert {"1.running_mean", "1.running_var"} <= set(f.keys())
     dispatch_model(model, {"": "disk"}, offload_dir=tmp_path)  # default: buffers stay put
     assert model[1].running_mean.device.type == "cpu"
-    torch.testing.assert_close(model(x).detach(), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(model(x).detach(), ref, atol=ATOL, rtol=RTOL)
 
 
 class UsesChildWeight(nn.Module):
@@ -391,11 +393,11 @@ def test_preload_module_classes(tmp_path: Path) -> None:
     dispatch_model(
         model, {"": "disk"}, offload_dir=tmp_path, preload_module_classes=["UsesChildWeight"]
     )
-    torch.testing.assert_close(model(x).detach(), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(model(x).detach(), ref, atol=ATOL, rtol=RTOL)
     dispatch_model(
         model, {"": "disk"}, offload_dir=tmp_path, preload_module_classes=[UsesChildWeight]
     )
-    torch.testing.assert_close(model(x).detach(), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(model(x).detach(), ref, atol=ATOL, rtol=RTOL)
 
 
 def test_multihead_attention_is_preloaded(tmp_path: Path) -> None:
@@ -407,7 +409,7 @@ def test_multihead_attention_is_preloaded(tmp_path: Path) -> None:
         ref = model(x)
     dispatch_model(model, {"": "disk"}, offload_dir=tmp_path)
     with torch.no_grad():
-        torch.testing.assert_close(model(x), ref, atol=ATOL, rtol=0)
+        torch.testing.assert_close(model(x), ref, atol=ATOL, rtol=RTOL)
 
 
 def test_shared_submodule_under_two_names(tmp_path: Path) -> None:
@@ -417,7 +419,7 @@ def test_shared_submodule_under_two_names(tmp_path: Path) -> None:
     x = torch.randn(2, 4)
     ref = model(x).detach()
     dispatch_model(model, {"0": "disk", "1": "cpu", "2": "disk"}, offload_dir=tmp_path)
-    torch.testing.assert_close(model(x).detach(), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(model(x).detach(), ref, atol=ATOL, rtol=RTOL)
     assert model[0].weight.device.type == "meta"
 
 
@@ -436,7 +438,7 @@ def test_recursive_call_of_one_module(tmp_path: Path) -> None:
     x = torch.randn(2, 4)
     ref = model(x).detach()
     disk_offload(model, tmp_path, execution_device="cpu", preload_module_classes=[Twice])
-    torch.testing.assert_close(model(x).detach(), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(model(x).detach(), ref, atol=ATOL, rtol=RTOL)
     assert model.lin.weight.device.type == "meta"
 
 
