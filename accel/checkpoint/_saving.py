@@ -17,7 +17,7 @@ import os
 import uuid
 import warnings
 from contextlib import ExitStack
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +232,7 @@ def _manifest(job: SaveJob, world_size: int, reports: list[Any]) -> dict[str, An
         "save_id": job.save_id,
         "ranks": sorted({r for r, _, _ in reports}),
         "objects": sorted(job.names),
-        "created": datetime.now(timezone.utc).isoformat(),
+        "created": datetime.now(UTC).isoformat(),
         "torch": torch.__version__,
         "accel": _accel_version(),
         "files": [

@@ -200,7 +200,7 @@ def test_callable_hook_signature_is_checked() -> None:
 
 
 def test_values_are_normalised() -> None:
-    class HookType(str, enum.Enum):  # like Accelerate's DDPCommunicationHookType
+    class HookType(str, enum.Enum):  # noqa: UP042 - Accelerate's DDPCommunicationHookType is one
         FP16 = "fp16"
         POWER_SGD = "power_sgd"
 
