@@ -199,3 +199,14 @@ def test_worker_runs_script_and_records_trimmed_traceback(tmp_path: Path) -> Non
     callstack = data["message"]["extraInfo"]["py_callstack"]
     assert callstack.startswith("Traceback")
     assert "worker.py" not in callstack
+
+
+def test_mesh_sizes_reach_the_workers_in_every_spelling() -> None:
+    for argv in (["--tp-size", "2", "--dp-shard-size", "2", "--dp-replicate-size", "1"],
+                 ["--parallelism_config_tp_size", "2", "--parallelism_config_dp_shard_size", "2",
+                  "--parallelism_config_dp_replicate_size", "1", "--use_parallelism_config"]):
+        p = plan("--nproc-per-node", "4", *argv, "train.py")
+        assert {k: v for k, v in p.worker_env.items() if k.endswith("_SIZE")} == {
+            "ACCEL_TP_SIZE": "2", "ACCEL_DP_SHARD_SIZE": "2", "ACCEL_DP_REPLICATE_SIZE": "1"}
+    p = plan("train.py", file={"tp_size": 2})  # the config file's key, passed on the same way
+    assert p.worker_env["ACCEL_TP_SIZE"] == "2"
