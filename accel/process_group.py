@@ -103,7 +103,8 @@ def _nested(
             )
     merged = {k: v if v is not None else getattr(current, k) for k, v in changes.items()}
     policy = resolve_policy(LaunchEnv(), world_size=current.world_size, **merged)
-    _note_fp8(policy["mixed_precision"])
+    # stack: _note_fp8 < _nested < _nested_block < distributed < contextlib < the caller
+    _note_fp8(policy["mixed_precision"], stacklevel=6)
     each = current.on_each_node if on_each_node is None else on_each_node
     return attrs.evolve(
         current, **policy, on_each_node=each, options={**current.options, **options}
@@ -211,23 +212,53 @@ def distributed(
     sizes = {"dp_replicate_size": dp_replicate_size, "dp_shard_size": dp_shard_size,
              "tp_size": tp_size, "cp_size": cp_size}
     if has_active_state():
-        _same_mesh(state(), sizes)
-        fixed = {"backend": backend, "cpu": cpu or None}
-        inner = _nested(
-            state(), fixed=fixed, changes=changes, options=options, on_each_node=on_each_node
+        yield from _nested_block(
+            sizes, changes, options, backend=backend, cpu=cpu, seed=seed,
+            on_each_node=on_each_node,
         )
-        if seed is not None:  # recorded in the block's state, as for an outer block
-            inner = attrs.evolve(inner, seed=seed)
-        with set_state(inner):
-            if seed is not None:
-                _seed(seed)
-            yield inner
         return
-
     env, file_options = _with_config_file(read_launch_env())
     options = {**file_options, **options}  # distributed(**options) wins over the file
-    use_cpu = cpu or bool(env.cpu)
-    created = False
+    process = _find_process(env, backend, cpu or bool(env.cpu))
+    current, created = _start(
+        env, process, sizes, changes, seed=seed, on_each_node=on_each_node, options=options
+    )
+    yield from _run_block(current, created, seed)
+
+
+def _nested_block(
+    sizes: Mapping[str, int | None], changes: dict[str, Any], options: dict[str, Any], *,
+    backend: str | None, cpu: bool, seed: int | None, on_each_node: bool | None,
+) -> Iterator[ProcessState]:
+    """A block inside an active one: the same group and mesh, the changed options scoped."""
+    _same_mesh(state(), sizes)
+    fixed = {"backend": backend, "cpu": cpu or None}
+    inner = _nested(
+        state(), fixed=fixed, changes=changes, options=options, on_each_node=on_each_node
+    )
+    if seed is not None:  # recorded in the block's state, as for an outer block
+        inner = attrs.evolve(inner, seed=seed)
+    with set_state(inner):
+        if seed is not None:
+            _seed(seed)
+        yield inner
+
+
+@attrs.frozen
+class _Process:
+    """Where this process stands: its ranks, device and process-group backend (``None``
+    without a group)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None
+
+
+def _find_process(env: LaunchEnv, backend: str | None, use_cpu: bool) -> _Process:
+    """This process from an existing process group, else from the launch environment."""
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         group_backend: str | None = str(dist.get_backend())
@@ -235,42 +266,56 @@ def distributed(
         if env.world_size != world:  # the user made the group without launcher variables
             local_rank, local_world = rank, world
         device = best_device(local_rank, cpu=use_cpu or group_backend == "gloo")
-    else:
-        rank, world = env.rank, env.world_size
-        local_rank, local_world = env.local_rank, env.local_world_size
-        device = best_device(local_rank, cpu=use_cpu)
-        group_backend = None
-        if world > 1:
-            if not dist.is_available():
-                raise ConfigError(
-                    f"The launcher started {world} processes but this torch build has no "
-                    "torch.distributed. Install a torch build with distributed support."
-                )
-            group_backend = _pick_backend(backend or env.backend, device)
+        return _Process(rank, world, local_rank, local_world, device, group_backend)
+    device = best_device(env.local_rank, cpu=use_cpu)
+    group_backend = None
+    if env.world_size > 1:
+        if not dist.is_available():
+            raise ConfigError(
+                f"The launcher started {env.world_size} processes but this torch build has no "
+                "torch.distributed. Install a torch build with distributed support."
+            )
+        group_backend = _pick_backend(backend or env.backend, device)
+    return _Process(
+        env.rank, env.world_size, env.local_rank, env.local_world_size, device, group_backend
+    )
+
+
+def _start(
+    env: LaunchEnv, process: _Process, sizes: Mapping[str, int | None],
+    changes: dict[str, Any], *, seed: int | None, on_each_node: bool | None,
+    options: dict[str, Any],
+) -> tuple[ProcessState, bool]:
+    """The block's state: its mesh and policy resolved, the device set, the group created
+    when none exists (and whether it was)."""
+    world, device = process.world_size, process.device
     shape = mesh_shape(
-        world, strategy if strategy is not None else env.strategy,
+        world, changes["strategy"] if changes["strategy"] is not None else env.strategy,
         {k: v if v is not None else getattr(env, k) for k, v in sizes.items()},
         device_type=device.type,
     )
     if shape is not None and shape.dp_shard > 1 and changes["strategy"] is None:
-        changes["strategy"] = "fsdp"
+        changes = {**changes, "strategy": "fsdp"}
     policy = resolve_policy(env, world_size=world, **changes)
-    _note_fp8(policy["mixed_precision"])
+    # stack: _note_fp8 < _start < distributed (generator) < contextlib's __enter__ < the caller
+    _note_fp8(policy["mixed_precision"], stacklevel=5)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if group_backend is not None and not dist.is_initialized():
-        _init_group(env, group_backend, policy["timeout"])
+    created = False
+    if process.backend is not None and not dist.is_initialized():
+        _init_group(env, process.backend, policy["timeout"])
         created = True
     mesh = build_mesh(device.type, shape) if shape is not None and world > 1 else None
+    launched = world == env.world_size
     current = ProcessState(
-        rank=rank,
-        local_rank=local_rank,
+        rank=process.rank,
+        local_rank=process.local_rank,
         world_size=world,
-        local_world_size=local_world,
-        node_rank=env.node_rank if world == env.world_size else rank // max(1, local_world),
-        num_nodes=env.num_nodes if world == env.world_size else 1,
+        local_world_size=process.local_world_size,
+        node_rank=env.node_rank if launched else process.rank // max(1, process.local_world_size),
+        num_nodes=env.num_nodes if launched else 1,
         device=device,
-        backend=group_backend,
+        backend=process.backend,
         seed=seed,
         on_each_node=bool(env.on_each_node) if on_each_node is None else on_each_node,
         options=options,
@@ -278,6 +323,11 @@ def distributed(
         mesh=mesh,
         **policy,
     )
+    return current, created
+
+
+def _run_block(current: ProcessState, created: bool, seed: int | None) -> Iterator[ProcessState]:
+    """Yield ``current`` as the block's state; leave the group this block created."""
     try:
         with set_state(current, Scope(created_group=created)), stop_watch_scope(), \
                 pending_saves():  # the end of the block finishes (or drops) async saves
@@ -339,12 +389,12 @@ def _check_options(options: Mapping[str, Any]) -> None:
         blocks_option(value, "activation_checkpointing", "accel.distributed()")
 
 
-def _note_fp8(mixed_precision: str) -> None:
-    """Warn once per process that ``fp8`` runs as bf16 autocast (no fp8 backend yet)."""
+def _note_fp8(mixed_precision: str, stacklevel: int) -> None:
+    """Warn once per process that ``fp8`` runs as bf16 autocast (no fp8 backend yet);
+    ``stacklevel`` counts the frames up to the caller's ``with`` line."""
     if mixed_precision == "fp8" and not _FP8_SAID.is_set():
         _FP8_SAID.set()
-        # stack: _note_fp8 < distributed (generator) < contextlib's __enter__ < the caller
-        warnings.warn(FP8_NOTE, UserWarning, stacklevel=4)
+        warnings.warn(FP8_NOTE, UserWarning, stacklevel=stacklevel)
 
 
 def _with_config_file(env: LaunchEnv) -> tuple[LaunchEnv, dict[str, Any]]:

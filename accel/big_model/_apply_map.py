@@ -195,16 +195,59 @@ def apply_map(
     force_hooks: bool,
     shown_map: Mapping[str, object] | None,
 ) -> nn.Module:
+    """Place every tensor of ``model`` as ``device_map`` says and install its hooks.
+
+    Everything is checked and offload files are written before the model changes; a previous
+    dispatch of the model (or of a submodule) is replaced.
+
+    Raises:
+        DeviceMapError: the map leaves a tensor unplaced, a ``meta`` tensor has no weights, or
+            disk offload lacks a usable ``offload_dir``.
+        CheckpointError: ``sources`` do not match the model's tensors.
+    """
     records = existing_dispatches(model)
+    carried = _carried_weights(records)
+    tensors, modules = _collect(model)
+    origins = _origins(tensors, carried, sources)
+    _place_uses(tensors, modules, device_map, main, offload_cpu, offload_buffers)
+    homes, to_write = _homes(tensors, origins)
+    written = _write_offloads(to_write, device_map, offload_dir)
+    # nothing has changed so far; from here on the model is modified
+    _remove_dispatches(model, records)
+    dispatch = Dispatch()
+    for key, t in tensors.items():
+        home, origin = homes[key], origins.get(key)
+        if isinstance(home, torch.device):
+            dispatch.slots += _resident_slots(t, home, origin)
+            continue
+        weight = _offloaded_weight(t, home, origin, written, main)
+        dispatch.slots += [Slot(use.module, use.attr, weight) for use in t.uses]
+    hooks = {}
+    devices = set(device_map.values())
+    if force_hooks or len(devices) > 1 or DISK in devices:
+        hooks = plan_hooks(model, modules, device_map, dispatch.slots, main, offload_cpu, preload)
+    dispatch.install(hooks)
+    model.__dict__[DISPATCH_ATTR] = dispatch
+    if shown_map is not None:
+        setattr(model, DEVICE_MAP_ATTR, dict(shown_map))
+    return model
+
+
+def _carried_weights(records: list[tuple[nn.Module, Dispatch]]) -> dict[int, Weight]:
+    """The weights of previous dispatches by their placeholder, ties they split re-made."""
     for _, record in records:  # re-tie weights a previous dispatch kept on another device
         for slot in record.slots:
             if slot.weight.restore is not None:
                 slot.fill(slot.weight.restore)
-    carried = {id(s.weight.placeholder): s.weight for _, rec in records for s in rec.slots}
-    tensors, modules = _collect(model)
-    origins = _origins(tensors, carried, sources)
+    return {id(s.weight.placeholder): s.weight for _, rec in records for s in rec.slots}
 
-    # where each use of each tensor runs (a module registered under two names is one use)
+
+def _place_uses(
+    tensors: dict[int, _Tensor], modules: dict[str, nn.Module],
+    device_map: Mapping[str, Placement], main: torch.device, offload_cpu: bool,
+    offload_buffers: bool,
+) -> None:
+    """Record where each use of each tensor runs (a module under two names is one use)."""
     for t in tensors.values():
         seen: set[tuple[int, str]] = set()
         for name in t.names:
@@ -229,7 +272,12 @@ def apply_map(
                 offloaded = to_disk = False  # buffers stay on the execution device
             t.uses.append(_Use(modules[module_name], module_name, attr, device, offloaded, to_disk))
 
-    # each tensor's home: the first device a use keeps it on, else RAM, else a file
+
+def _homes(
+    tensors: dict[int, _Tensor], origins: Mapping[int, _Origin]
+) -> tuple[dict[int, torch.device | str], dict[str, torch.Tensor]]:
+    """Each tensor's home (the first device a use keeps it on, else RAM, else a file), and
+    the tensors to write to an offload file (by first name)."""
     to_write: dict[str, torch.Tensor] = {}
     homes: dict[int, torch.device | str] = {}
     for key, t in tensors.items():
@@ -244,73 +292,76 @@ def apply_map(
                 to_write[t.names[0]] = value.detach()
         else:
             homes[key] = "ram"
-    written: dict[str, MappedFile] = {}  # name -> the offload file it was written to
-    if to_write:
-        disk_modules = sorted(n for n, d in device_map.items() if d == DISK)
-        what = f"The device map puts {disk_modules[:8]!r} on 'disk'"
-        folder = checked_offload_dir(offload_dir, what)
-        written = dict.fromkeys(to_write, write_offload_file(folder, to_write))
+    return homes, to_write
 
-    # nothing has changed so far; from here on the model is modified
+
+def _write_offloads(
+    to_write: dict[str, torch.Tensor], device_map: Mapping[str, Placement],
+    offload_dir: str | os.PathLike[str] | None,
+) -> dict[str, MappedFile]:
+    """Write the tensors offloaded to disk; each name's offload file."""
+    if not to_write:
+        return {}
+    disk_modules = sorted(n for n, d in device_map.items() if d == DISK)
+    what = f"The device map puts {disk_modules[:8]!r} on 'disk'"
+    folder = checked_offload_dir(offload_dir, what)
+    return dict.fromkeys(to_write, write_offload_file(folder, to_write))
+
+
+def _remove_dispatches(model: nn.Module, records: list[tuple[nn.Module, Dispatch]]) -> None:
     for module, record in records:
         record.remove_handles()
         del module.__dict__[DISPATCH_ATTR]
         if module is not model:
             module.__dict__.pop(DEVICE_MAP_ATTR, None)
 
-    dispatch = Dispatch()
-    for key, t in tensors.items():
-        home = homes[key]
-        origin = origins.get(key)
-        if isinstance(home, torch.device):
-            if origin is not None:
-                value = _new_value(t.tensor, origin.materialize(home), t.is_param)
-            else:
-                value = _move(t.tensor, home, t.is_param)
-            for use in t.uses:
-                if use.exec_device == home:
-                    _fill(use, value, t.is_param)
-            others = [u for u in t.uses if u.exec_device != home]
-            if others:  # tied to a module running elsewhere: brought there for its forwards
-                placeholder = _meta_like(t.tensor, value.dtype, t.is_param)
-                by_device: dict[torch.device, Weight] = {}
-                for use in others:
-                    weight = by_device.get(use.exec_device)
-                    if weight is None:
-                        weight = by_device[use.exec_device] = Weight(
-                            value, placeholder, use.exec_device, restore=value
-                        )
-                    dispatch.slots.append(Slot(use.module, use.attr, weight))
-            continue
-        dtype = origin.dtype if origin is not None else t.tensor.dtype
-        placeholder = _meta_like(t.tensor, dtype, t.is_param)
-        if home == DISK:
-            if origin is not None and origin.file is not None:
-                weight = Weight(origin.value, placeholder, main, file=origin.file, key=origin.key)
-            else:
-                file = written[t.names[0]]
-                view = file.tensor(t.names[0])
-                weight = Weight(view, placeholder, main, file=file, key=t.names[0])
-        else:  # RAM
-            if origin is None:
-                source = t.tensor.detach().to(CPU)
-            elif origin.file is None:
-                source = origin.value
-            else:
-                source = origin.materialize(CPU)
-            weight = Weight(source, placeholder, main)
-        for use in t.uses:
-            dispatch.slots.append(Slot(use.module, use.attr, weight))
 
-    hooks = {}
-    devices = set(device_map.values())
-    if force_hooks or len(devices) > 1 or DISK in devices:
-        hooks = plan_hooks(model, modules, device_map, dispatch.slots, main, offload_cpu, preload)
-    dispatch.install(hooks)
-    model.__dict__[DISPATCH_ATTR] = dispatch
-    if shown_map is not None:
-        setattr(model, DEVICE_MAP_ATTR, dict(shown_map))
-    return model
+def _resident_slots(t: _Tensor, home: torch.device, origin: _Origin | None) -> list[Slot]:
+    """Put a tensor on its home device; the slots of its uses that run on other devices."""
+    if origin is not None:
+        value = _new_value(t.tensor, origin.materialize(home), t.is_param)
+    else:
+        value = _move(t.tensor, home, t.is_param)
+    for use in t.uses:
+        if use.exec_device == home:
+            _fill(use, value, t.is_param)
+    others = [u for u in t.uses if u.exec_device != home]
+    if not others:
+        return []
+    # tied to a module running elsewhere: brought there for its forwards
+    placeholder = _meta_like(t.tensor, value.dtype, t.is_param)
+    by_device: dict[torch.device, Weight] = {}
+    slots = []
+    for use in others:
+        weight = by_device.get(use.exec_device)
+        if weight is None:
+            weight = by_device[use.exec_device] = Weight(
+                value, placeholder, use.exec_device, restore=value
+            )
+        slots.append(Slot(use.module, use.attr, weight))
+    return slots
+
+
+def _offloaded_weight(
+    t: _Tensor, home: torch.device | str, origin: _Origin | None,
+    written: Mapping[str, MappedFile], main: torch.device,
+) -> Weight:
+    """The weight of a tensor kept in RAM or in a file, brought to ``main`` for forwards."""
+    dtype = origin.dtype if origin is not None else t.tensor.dtype
+    placeholder = _meta_like(t.tensor, dtype, t.is_param)
+    if home == DISK:
+        if origin is not None and origin.file is not None:
+            return Weight(origin.value, placeholder, main, file=origin.file, key=origin.key)
+        file = written[t.names[0]]
+        view = file.tensor(t.names[0])
+        return Weight(view, placeholder, main, file=file, key=t.names[0])
+    if origin is None:  # RAM
+        source = t.tensor.detach().to(CPU)
+    elif origin.file is None:
+        source = origin.value
+    else:
+        source = origin.materialize(CPU)
+    return Weight(source, placeholder, main)
 
 
 def _move(tensor: torch.Tensor, device: torch.device, is_param: bool) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 
 from accel.big_model.device_map import resolve_device_map
 from accel.big_model.dispatch import dispatch_with_sources
+from accel.big_model.hooks import Placement
 from accel.big_model.offload import TensorSource, write_offload_file
 from accel.checkpoint import _stream
 from accel.checkpoint._paths import as_path
@@ -105,36 +106,9 @@ def load_checkpoint_and_dispatch(
             no_split_module_classes=no_split_module_classes,
             dtype=cast,
         )
-    where = os.fspath(as_path(checkpoint, "accel.load_checkpoint_and_dispatch", "checkpoint"))
-    files = _checkpoint_files(_resolve(Path(checkpoint)))
-    placer = _stream.in_place if placed is None else _stream.where_mapped(placed)
-    plan = _stream.plan_load(model, files, placer=placer, dtype=cast)
-    left = plan.left_on_meta()
-    if left:
-        raise CheckpointError(
-            f"Checkpoint {where!r} has no weights for {_stream.show(left)} of the model: they "
-            "would stay on the meta device and the model could not run. Check that the "
-            f"checkpoint was saved from this model (keys it has but the model does not: "
-            f"{_stream.show(plan.unexpected)}); buffers that are not saved must be built "
-            "with real values (keep `include_buffers=False` in init_empty_weights)."
-        )
-    if plan.missing:
-        warnings.warn(
-            f"Checkpoint {where!r} has no weights for {_stream.show(plan.missing)}; they keep "
-            "the values the model was built with.",
-            stacklevel=2,
-        )
-    _stream.warn_unexpected(where, plan.unexpected, stacklevel=2)
-    pending = plan.to_write()
-    if pending and offload_folder is None:
-        modules = sorted({n for n, d in (placed or {}).items() if d == _stream.DISK})
-        raise DeviceMapError(
-            f"The device map puts {_stream.show(modules)} on 'disk', and weights "
-            f"{_stream.show(pending)} must be written there (they come from a torch file, "
-            "which cannot be mapped in place) but offload_folder is None. Pass "
-            "`offload_folder='offload'` (any directory), or save the checkpoint as "
-            "safetensors (`accel.save_model(model, dir)`) so it is mapped where it is."
-        )
+    plan = _checked_plan(model, checkpoint, placed, cast)
+    _check_offload_folder(plan, placed, offload_folder)
+
     def write(name: str, tensors: dict[str, torch.Tensor]) -> Path:
         assert offload_folder is not None
         return write_offload_file(offload_folder, tensors, name=name).path
@@ -155,3 +129,49 @@ def load_checkpoint_and_dispatch(
     shown = dict(device_map) if isinstance(device_map, Mapping) else _public(placed)
     setattr(model, "hf_device_map", shown)  # noqa: B010 - Module.__setattr__ is typed for tensors
     return model
+
+
+def _checked_plan(
+    model: nn.Module, checkpoint: str | os.PathLike[str],
+    placed: Mapping[str, Placement] | None, cast: torch.dtype | None,
+) -> _stream.Plan:
+    """Where each checkpoint tensor goes; refused when a model tensor would stay on ``meta``,
+    a warning (pointing at the caller of ``load_checkpoint_and_dispatch``) for the others."""
+    where = os.fspath(as_path(checkpoint, "accel.load_checkpoint_and_dispatch", "checkpoint"))
+    files = _checkpoint_files(_resolve(Path(checkpoint)))
+    placer = _stream.in_place if placed is None else _stream.where_mapped(placed)
+    plan = _stream.plan_load(model, files, placer=placer, dtype=cast)
+    left = plan.left_on_meta()
+    if left:
+        raise CheckpointError(
+            f"Checkpoint {where!r} has no weights for {_stream.show(left)} of the model: they "
+            "would stay on the meta device and the model could not run. Check that the "
+            f"checkpoint was saved from this model (keys it has but the model does not: "
+            f"{_stream.show(plan.unexpected)}); buffers that are not saved must be built "
+            "with real values (keep `include_buffers=False` in init_empty_weights)."
+        )
+    if plan.missing:
+        warnings.warn(
+            f"Checkpoint {where!r} has no weights for {_stream.show(plan.missing)}; they keep "
+            "the values the model was built with.",
+            stacklevel=3,
+        )
+    _stream.warn_unexpected(where, plan.unexpected, stacklevel=3)
+    return plan
+
+
+def _check_offload_folder(
+    plan: _stream.Plan, placed: Mapping[str, Placement] | None,
+    offload_folder: str | os.PathLike[str] | None,
+) -> None:
+    """Refuse disk weights that must be written (from a torch file) without a folder."""
+    pending = plan.to_write()
+    if pending and offload_folder is None:
+        modules = sorted({n for n, d in (placed or {}).items() if d == _stream.DISK})
+        raise DeviceMapError(
+            f"The device map puts {_stream.show(modules)} on 'disk', and weights "
+            f"{_stream.show(pending)} must be written there (they come from a torch file, "
+            "which cannot be mapped in place) but offload_folder is None. Pass "
+            "`offload_folder='offload'` (any directory), or save the checkpoint as "
+            "safetensors (`accel.save_model(model, dir)`) so it is mapped where it is."
+        )

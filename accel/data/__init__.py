@@ -114,10 +114,24 @@ def prepare_data_loader(
             f"{type(loader).__name__} {loader!r:.60}. Wrap the dataset: "
             "`accel.prepare_data_loader(DataLoader(dataset, batch_size=...))`."
         )
+    plan = _plan(loader, device_placement, split_batches, dispatch_batches)
+    options = loader_options(loader)
+    seeds = worker_seeds(loader, state().dp_rank)
+    mode, arguments = _mode(loader, plan, options, even_batches)
+    return PreparedDataLoader(
+        plan=plan, mode=mode, worker_seeds=seeds,
+        even_batches=even_batches if plan.mode == "shard" else True, **arguments, **options,
+    )
+
+
+def _plan(
+    loader: DataLoader[Any], device_placement: bool, split_batches: bool,
+    dispatch_batches: bool | None,
+) -> Plan:
+    """The loader's mode and how its batches are cut and placed; the options checked."""
     st = state()
-    rank, world = st.dp_rank, st.dp_world_size  # a tensor-parallel group shares its batches
-    dataset = loader.dataset
-    iterable = isinstance(dataset, IterableDataset)
+    world = st.dp_world_size  # a tensor-parallel group shares its batches
+    iterable = isinstance(loader.dataset, IterableDataset)
     if dispatch_batches is None:
         dispatch_batches = iterable and device_placement
     if dispatch_batches and not device_placement:
@@ -134,45 +148,38 @@ def prepare_data_loader(
             "multiple of the number of processes, or `split_batches=False`."
         )
     device = st.device if device_placement else None
-    pin = bool(loader.pin_memory)
-    plan = Plan(
+    return Plan(
         mode="dispatch" if dispatch_batches and world > 1 else ("stream" if iterable else "shard"),
         world_size=world,
         batch_size=batch_size,
         split_batches=split_batches,
         device=device,
-        non_blocking=pin and device is not None and device.type == "cuda",
+        non_blocking=bool(loader.pin_memory) and device is not None and device.type == "cuda",
     )
-    options = loader_options(loader)
-    mode: LoaderMode
-    if iterable:
-        size = _iterable_batch_size(batch_size)
-        seeds = worker_seeds(loader, rank)
+
+
+def _mode(
+    loader: DataLoader[Any], plan: Plan, options: dict[str, Any], even_batches: bool
+) -> tuple[LoaderMode, dict[str, Any]]:
+    """The :class:`LoaderMode` for ``plan.mode`` and the loader arguments it sets."""
+    st = state()
+    rank, world, split = st.dp_rank, plan.world_size, plan.split_batches
+    if isinstance(loader.dataset, IterableDataset):
+        size = _iterable_batch_size(plan.batch_size)
         if plan.mode == "dispatch":
-            mode, arguments = dispatch_stream(
+            return dispatch_stream(
                 loader, options, batch_size=size, rank=rank, world_size=world,
-                device=st.device, split_batches=split_batches,
+                device=st.device, split_batches=split,
             )
-        else:
-            mode, arguments = stream_mode(
-                loader, batch_size=size, rank=rank, world_size=world,
-                split_batches=split_batches,
-            )
-    else:
-        seeds = worker_seeds(loader, rank)
-        if plan.mode == "dispatch":
-            mode, arguments = dispatch_map(
-                loader, options, rank=rank, world_size=world, device=st.device,
-                split_batches=split_batches,
-            )
-        else:
-            mode, arguments = shard_mode(
-                loader, rank=rank, world_size=world, split_batches=split_batches,
-                even_batches=even_batches,
-            )
-    return PreparedDataLoader(
-        plan=plan, mode=mode, worker_seeds=seeds,
-        even_batches=even_batches if plan.mode == "shard" else True, **arguments, **options,
+        return stream_mode(
+            loader, batch_size=size, rank=rank, world_size=world, split_batches=split,
+        )
+    if plan.mode == "dispatch":
+        return dispatch_map(
+            loader, options, rank=rank, world_size=world, device=st.device, split_batches=split,
+        )
+    return shard_mode(
+        loader, rank=rank, world_size=world, split_batches=split, even_batches=even_batches,
     )
 
 

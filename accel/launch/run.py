@@ -223,61 +223,86 @@ def plan_launch(
     settings = resolve_settings(command_line_settings(ns), env, file_settings)
     value = {key: resolved.value for key, resolved in settings.items()}
     nnodes, machines = _machines(str(ns.nnodes or value["num_machines"]))
-    cpu = bool(value["cpu"])
+    nproc, cpu = _processes_per_machine(ns, settings, machines, gpu_count)
+    args: list[str] = ["--nnodes", nnodes, "--nproc-per-node", str(nproc),
+                       "--max-restarts", str(value["max_restarts"])]
+    if ns.monitor_interval is not None:
+        args += ["--monitor-interval", str(ns.monitor_interval)]
+    args += _stop_args(getattr(ns, "stop_grace_period", None))
+    rendezvous, dynamic = _rendezvous_args(ns, value, nnodes, machines)
+    args += rendezvous + _program_args(ns)
+    worker_env = _worker_env(settings, cpu=cpu, config_file=config_file, dynamic=dynamic)
+    if not omp_num_threads_set:
+        worker_env["OMP_NUM_THREADS"] = str(max(1, cpu_count // nproc))
+    return LaunchPlan(torchrun_args=tuple(args), worker_env=worker_env, settings=settings,
+                      nproc_per_node=nproc, nnodes=nnodes)
+
+
+def _processes_per_machine(
+    ns: argparse.Namespace, settings: Mapping[str, Resolved], machines: int,
+    gpu_count: Callable[[], int],
+) -> tuple[int, bool]:
+    """Processes per machine (the flag, the total over the machines, or one per GPU), and
+    whether they run on the CPU."""
+    cpu = bool(settings["cpu"].value)
     if ns.nproc_per_node is not None:
         if ns.nproc_per_node < 1:
             raise ConfigError(
                 f"--nproc-per-node={ns.nproc_per_node!r} must be >= 1, e.g. `--nproc-per-node 2`."
             )
-        nproc = ns.nproc_per_node
-    elif value["num_processes"] is not None:
-        total = int(str(value["num_processes"]))
+        return ns.nproc_per_node, cpu
+    if settings["num_processes"].value is not None:
+        total = int(str(settings["num_processes"].value))
         if total % machines:
             source = settings["num_processes"].source
             raise ConfigError(
                 f"num_processes={total!r} (in total, from the {source}) is not a multiple of "
                 f"the {machines} machines. Give `--nproc-per-node N` (per machine) instead."
             )
-        nproc = total // machines
-    else:
-        gpus = 0 if cpu else gpu_count()
-        nproc = gpus if gpus > 0 else CPU_DEFAULT_PROCESSES
-        cpu = cpu or gpus == 0
-    args: list[str] = ["--nnodes", nnodes, "--nproc-per-node", str(nproc),
-                       "--max-restarts", str(value["max_restarts"])]
-    if ns.monitor_interval is not None:
-        args += ["--monitor-interval", str(ns.monitor_interval)]
-    args += _stop_args(getattr(ns, "stop_grace_period", None))
+        return total // machines, cpu
+    gpus = 0 if cpu else gpu_count()
+    return (gpus if gpus > 0 else CPU_DEFAULT_PROCESSES), cpu or gpus == 0
+
+
+def _rendezvous_args(
+    ns: argparse.Namespace, value: Mapping[str, object], nnodes: str, machines: int
+) -> tuple[list[str], bool]:
+    """torchrun's rendezvous options, and whether the rendezvous is dynamic (c10d: its
+    store is shared with the workers by default)."""
     port = value["main_process_port"]
-    dynamic = True  # c10d rendezvous (its store is shared with the workers by default)
     if ns.rdzv_endpoint:
-        args += ["--rdzv-backend", ns.rdzv_backend or "c10d", "--rdzv-endpoint", ns.rdzv_endpoint]
+        args = ["--rdzv-backend", ns.rdzv_backend or "c10d", "--rdzv-endpoint", ns.rdzv_endpoint]
         if ns.rdzv_id:
             args += ["--rdzv-id", ns.rdzv_id]
-    elif ns.standalone or (nnodes == "1" and port is None and not ns.rdzv_backend):
+        return args, True
+    if ns.standalone or (nnodes == "1" and port is None and not ns.rdzv_backend):
         if machines > 1:
             raise ConfigError(
                 f"--standalone runs on one machine, but {machines} machines were asked for. "
                 "Drop `--standalone` or use `--nnodes 1`."
             )
-        args += ["--standalone"]  # c10d rendezvous on localhost:0: the OS picks a free port
-    else:
-        addr = value["main_process_ip"]
-        if addr is None:
-            if machines > 1:
-                raise ConfigError(
-                    f"A job on {nnodes} machines needs the address of machine 0; give "
-                    "`--master-addr <ip of machine 0>` (or `main_process_ip` in the config)."
-                )
-            addr = "127.0.0.1"
-        if ns.rdzv_backend and ns.rdzv_backend != "static":
+        return ["--standalone"], True  # c10d rendezvous on localhost:0: the OS picks a port
+    addr = value["main_process_ip"]
+    if addr is None:
+        if machines > 1:
             raise ConfigError(
-                f"--rdzv-backend={ns.rdzv_backend!r} needs `--rdzv-endpoint HOST:PORT`; or "
-                "drop it to use --master-addr/--master-port."
+                f"A job on {nnodes} machines needs the address of machine 0; give "
+                "`--master-addr <ip of machine 0>` (or `main_process_ip` in the config)."
             )
-        dynamic = ns.rdzv_backend not in (None, "static")
-        args += ["--node-rank", str(value["machine_rank"]), "--master-addr", str(addr),
-                 "--master-port", str(port if port is not None else DEFAULT_MULTI_NODE_PORT)]
+        addr = "127.0.0.1"
+    if ns.rdzv_backend and ns.rdzv_backend != "static":
+        raise ConfigError(
+            f"--rdzv-backend={ns.rdzv_backend!r} needs `--rdzv-endpoint HOST:PORT`; or "
+            "drop it to use --master-addr/--master-port."
+        )
+    args = ["--node-rank", str(value["machine_rank"]), "--master-addr", str(addr),
+            "--master-port", str(port if port is not None else DEFAULT_MULTI_NODE_PORT)]
+    return args, ns.rdzv_backend not in (None, "static")
+
+
+def _program_args(ns: argparse.Namespace) -> list[str]:
+    """torchrun's pass-through options, then what each worker runs."""
+    args: list[str] = []
     for flag, given in (("--rdzv-conf", ns.rdzv_conf), ("--log-dir", ns.log_dir),
                         ("--redirects", ns.redirects), ("--tee", ns.tee),
                         ("--local-ranks-filter", ns.local_ranks_filter)):
@@ -286,27 +311,29 @@ def plan_launch(
     if ns.no_python:
         if ns.module:
             raise ConfigError("Use either `--no-python` or `-m/--module`, not both.")
-        args += ["--no-python", ns.script, *ns.script_args]
-    else:
-        target = ["-m", ns.script] if ns.module else [ns.script]
-        args += ["--module", WORKER_MODULE, *target, *ns.script_args]
+        return [*args, "--no-python", ns.script, *ns.script_args]
+    target = ["-m", ns.script] if ns.module else [ns.script]
+    return [*args, "--module", WORKER_MODULE, *target, *ns.script_args]
+
+
+def _worker_env(
+    settings: Mapping[str, Resolved], *, cpu: bool, config_file: Path | None, dynamic: bool
+) -> dict[str, str]:
+    """The variables the workers get: the settings accel.distributed() reads, and torch's."""
     worker_env: dict[str, str] = {}
-    for key in POLICY_KEYS:  # the settings accel.distributed() reads in the workers
+    for key in POLICY_KEYS:
         if settings[key].source != "default":
             worker_env[env_variable(key)] = _env_text(settings[key].value)
     if cpu:
         worker_env[env_variable("cpu")] = "1"
     if config_file is not None:
         worker_env[ENV_PREFIX + "CONFIG_FILE"] = str(config_file.resolve())
-    if dynamic and int(str(value["max_restarts"])) > 0:
+    if dynamic and int(str(settings["max_restarts"].value)) > 0:
         # torch reuses the rendezvous store across restarts without a per-attempt prefix, so
         # restarted workers read the dead workers' addresses and cannot connect; a fresh store
         # per attempt avoids it.
         worker_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    if not omp_num_threads_set:
-        worker_env["OMP_NUM_THREADS"] = str(max(1, cpu_count // nproc))
-    return LaunchPlan(torchrun_args=tuple(args), worker_env=worker_env, settings=settings,
-                      nproc_per_node=nproc, nnodes=nnodes)
+    return worker_env
 
 
 def _stop_args(grace: float | None) -> list[str]:
