@@ -253,6 +253,10 @@ def plan_sharded(
                 "sync step: `if accel.sync_gradients(): accel.save_state(...)`."
             )
         extra: dict[str, Any] = {"accumulation_step": accumulation_step}
+        st = state()
+        if st.mesh_shape is not None:  # for `accel checkpoint inspect`; loading ignores it
+            extra["mesh"] = {"dims": list(st.mesh.mesh_dim_names or ()),
+                             "shape": list(st.mesh_shape)}
     elif isinstance(getattr(inner_optimizer(obj), "param_groups", None), list):
         target = obj
         if not holds_dtensors(_optimizer_params(obj)):

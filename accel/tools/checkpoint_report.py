@@ -157,6 +157,16 @@ def _coverage(name: str, meta: Mapping[str, Any], pieces: Mapping[str, Any]) -> 
     return problems
 
 
+def _names(value: Any) -> bool:
+    return isinstance(value, list) and 0 < len(value) <= 8 and all(
+        isinstance(v, str) and v.isidentifier() for v in value)
+
+
+def _counts_list(value: Any) -> bool:
+    return isinstance(value, list) and 0 < len(value) <= 8 and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+
+
 def _split_dims(pieces: Mapping[str, list[tuple[Any, Any]]]) -> list[int]:
     dims = {i for spots in pieces.values() for offset, _ in spots
             if isinstance(offset, list) for i, o in enumerate(offset) if o}
@@ -216,8 +226,15 @@ def _describe_accel(path: Path, tensors: bool, check_crc: bool) -> dict[str, Any
                             if _SHARDS in f})
             item["layout"] = f"sharded over ranks {ranks}"
             problems += _coverage(name, meta, pieces)
-            mesh = {"world_size": manifest["world_size"], "dims": 1,
-                    "placement": "Shard(" + ",".join(map(str, _split_dims(pieces) or [0])) + ")"}
+            if mesh is None or "sizes" not in mesh:  # a model's record of the mesh wins
+                mesh = {"world_size": manifest["world_size"], "dims": 1, "placement": "Shard("
+                        + ",".join(map(str, _split_dims(pieces) or [0])) + ")"}
+            saved = extra.get("mesh") if isinstance(extra, Mapping) else None
+            if (isinstance(saved, Mapping) and _names(saved.get("dims"))
+                    and _counts_list(saved.get("shape"))
+                    and len(saved["dims"]) == len(saved["shape"])):
+                mesh.update(dims=len(saved["dims"]),
+                            sizes=dict(zip(saved["dims"], saved["shape"], strict=True)))
         if tensors:
             item["tensors"] = _tensor_list(path, name, listed, meta, problems)
         objects.append(item)
@@ -376,8 +393,15 @@ def format_report(report: Mapping[str, Any]) -> str:
         lines.append(f"saved by {report['world_size']} process(es) (ranks {report['ranks']}) at "
                      f"{report['created']}; torch {report['torch']}, accel {report['accel']}")
         mesh = report["mesh"]
-        lines.append("mesh: " + (f"1-D over {mesh['world_size']} ranks, FSDP pieces "
-                                 f"{mesh['placement']}" if mesh else "none (no sharded object)"))
+        if not mesh:
+            lines.append("mesh: none (no sharded object)")
+        elif "sizes" in mesh:
+            sizes = ", ".join(f"{k}={v}" for k, v in mesh["sizes"].items())
+            lines.append(f"mesh: {mesh['dims']}-D ({sizes}) over {mesh['world_size']} ranks, "
+                         f"pieces split on dims {mesh['placement'][6:-1]}")
+        else:
+            lines.append(f"mesh: 1-D over {mesh['world_size']} ranks, FSDP pieces "
+                         f"{mesh['placement']}")
     lines.append("objects:")
     for obj in report["objects"]:
         text = f"  {obj['name']}"

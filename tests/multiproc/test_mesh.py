@@ -254,3 +254,19 @@ def test_a_model_without_a_plan_stays_whole_and_says_so() -> None:
     for result in out:
         assert len(result["said"]) == 1
         assert "MLP has no tp_plan: it is not split" in result["said"][0]
+
+
+def test_inspect_shows_the_mesh_a_checkpoint_was_saved_on(
+    saved: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from accel.launch.cli import main
+
+    checkpoint = str(saved["root"] / "tp2xfsdp2")
+    assert main(["checkpoint", "inspect", checkpoint, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mesh"]["sizes"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert main(["checkpoint", "inspect", checkpoint]) == 0
+    assert "mesh: 3-D (dp_replicate=1, dp_shard=2, tp=2) over 4 ranks" in capsys.readouterr().out
+    assert main(["checkpoint", "verify", checkpoint]) == 0
