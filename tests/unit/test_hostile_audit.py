@@ -384,6 +384,7 @@ def test_accelerate_optimizer_states_accel_cannot_take_change_nothing(
     assert not opt.state
 
 
+@pytest.mark.slow  # a fresh bounded interpreter and 2**45-fold sharing: 5-12 s when loaded
 def test_a_self_repeating_optimizer_state_is_refused_quickly(tmp_path: Path) -> None:
     """45 levels of ``x = [x, x]``: torch's load_state_dict walks 2**45 values (it ran 40 s
     into MemoryError, after the model was restored)."""
