@@ -131,7 +131,7 @@ def check_optimizer_parameters(optimizer: Any) -> None:
         names = [name for _, name in stale]
         raise StaleParametersError(
             f"The optimizer {type(optimizer).__name__!r} holds {len(stale)} parameters that "
-            f"strategy='fsdp' replaced when it sharded {type(stale[0][0]).__name__!r} "
+            f"sharding (strategy='fsdp' or a tp_plan) replaced in {type(stale[0][0]).__name__!r} "
             f"(e.g. {names[:3]!r}): it was made before prepare_model, and stepping it would "
             f"never change the model. {_FIX}"
         )
@@ -167,7 +167,7 @@ def adopt_sharded_parameters(optimizer: Any, models: Iterable[object]) -> None:
             if opt_state.get(param):
                 raise StaleParametersError(
                     f"The optimizer {type(optimizer).__name__!r} already has state for "
-                    f"parameter {found[1]!r}, which strategy='fsdp' replaced with its shard: "
+                    f"parameter {found[1]!r}, which sharding (FSDP or TP) replaced with its shard: "
                     f"that state has the unsharded shape. {_FIX} Load optimizer state after "
                     "preparing (e.g. with `accel.load_state`)."
                 )
