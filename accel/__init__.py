@@ -78,7 +78,6 @@ _LAZY: dict[str, str] = {
     # checkpoints
     "save": "accel.checkpoint",
     "save_model": "accel.checkpoint",
-    "load_checkpoint_in_model": "accel.checkpoint",
     "get_state_dict": "accel.checkpoint",
     "save_state": "accel.checkpoint",
     "load_state": "accel.checkpoint",
@@ -97,6 +96,7 @@ _LAZY: dict[str, str] = {
     "disk_offload": "accel.big_model",
     "remove_hooks": "accel.big_model",
     "load_checkpoint_and_dispatch": "accel.big_model",
+    "load_checkpoint_in_model": "accel.big_model",
     # tracking, progress, profiling, memory
     "tracking": "accel.trackers",
     "log": "accel.trackers",
@@ -147,12 +147,12 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.big_model import init_empty_weights as init_empty_weights
     from accel.big_model import init_on_device as init_on_device
     from accel.big_model import load_checkpoint_and_dispatch as load_checkpoint_and_dispatch
+    from accel.big_model import load_checkpoint_in_model as load_checkpoint_in_model
     from accel.big_model import remove_hooks as remove_hooks
     from accel.checkpoint import CheckpointInfo as CheckpointInfo
     from accel.checkpoint import get_state_dict as get_state_dict
     from accel.checkpoint import latest_checkpoint as latest_checkpoint
     from accel.checkpoint import load as load
-    from accel.checkpoint import load_checkpoint_in_model as load_checkpoint_in_model
     from accel.checkpoint import load_state as load_state
     from accel.checkpoint import save as save
     from accel.checkpoint import save_model as save_model

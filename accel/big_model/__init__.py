@@ -3,7 +3,8 @@
 ``init_empty_weights`` builds a model without memory; ``infer_auto_device_map`` places whole
 submodules within ``max_memory``; ``dispatch_model`` / ``cpu_offload`` / ``disk_offload`` add
 forward hooks that bring offloaded weights to the execution device; and
-``load_checkpoint_and_dispatch`` streams a checkpoint into such a model one file at a time.
+``load_checkpoint_in_model`` / ``load_checkpoint_and_dispatch`` stream a checkpoint into such a
+model one file at a time.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from accel.big_model.device_map import get_balanced_memory, infer_auto_device_map
 from accel.big_model.dispatch import cpu_offload, disk_offload, dispatch_model, remove_hooks
 from accel.big_model.init import init_empty_weights, init_on_device
-from accel.big_model.loading import load_checkpoint_and_dispatch
+from accel.big_model.loading import load_checkpoint_and_dispatch, load_checkpoint_in_model
 
 __all__ = [
     "cpu_offload",
@@ -22,5 +23,6 @@ __all__ = [
     "init_empty_weights",
     "init_on_device",
     "load_checkpoint_and_dispatch",
+    "load_checkpoint_in_model",
     "remove_hooks",
 ]

@@ -1,4 +1,5 @@
-"""``load_checkpoint_and_dispatch``: stream a checkpoint into a (meta) model by a device map."""
+"""Stream a checkpoint into a (meta) model, placed by a device map: ``load_checkpoint_in_model``
+(placement only) and ``load_checkpoint_and_dispatch`` (offload and hooks too)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from accel.big_model.dispatch import dispatch_with_sources
 from accel.big_model.hooks import Placement
 from accel.big_model.offload import TensorSource, write_offload_file
 from accel.checkpoint import _stream
-from accel.checkpoint._paths import as_path
-from accel.checkpoint.model_io import _checkpoint_files, _resolve
+from accel.checkpoint._paths import as_module, as_path
+from accel.checkpoint._weight_files import resolve_weights, weight_files
 from accel.errors import CheckpointError, DeviceMapError
+from accel.model import unwrap_model
 
-__all__ = ["load_checkpoint_and_dispatch"]
+__all__ = ["load_checkpoint_and_dispatch", "load_checkpoint_in_model"]
 
 
 def _public(device_map: Mapping[str, torch.device | str]) -> dict[str, int | str]:
@@ -138,7 +140,7 @@ def _checked_plan(
     """Where each checkpoint tensor goes; refused when a model tensor would stay on ``meta``,
     a warning (pointing at the caller of ``load_checkpoint_and_dispatch``) for the others."""
     where = os.fspath(as_path(checkpoint, "accel.load_checkpoint_and_dispatch", "checkpoint"))
-    files = _checkpoint_files(_resolve(Path(checkpoint)))
+    files = weight_files(resolve_weights(Path(checkpoint)))
     placer = _stream.in_place if placed is None else _stream.where_mapped(placed)
     plan = _stream.plan_load(model, files, placer=placer, dtype=cast)
     left = plan.left_on_meta()
@@ -175,3 +177,107 @@ def _check_offload_folder(
             "`offload_folder='offload'` (any directory), or save the checkpoint as "
             "safetensors (`accel.save_model(model, dir)`) so it is mapped where it is."
         )
+
+
+def _read_into(
+    target: nn.Module,
+    files: list[Path],
+    *,
+    device_map: Mapping[str, torch.device | str] | None,
+    dtype: torch.dtype | None,
+    strict: bool,
+    where: str,
+) -> None:
+    """Check ``files`` against ``target`` (nothing changes on a mismatch), then stream them."""
+    placer = _stream.in_place if device_map is None else _stream.where_mapped(device_map)
+    plan = _stream.plan_load(target, files, placer=placer, dtype=dtype)
+    if strict and (plan.missing or plan.unexpected):
+        raise CheckpointError(
+            f"Checkpoint {where!r} does not match the model: missing keys "
+            f"{_stream.show(plan.missing)}, unexpected keys {_stream.show(plan.unexpected)}. "
+            "Pass `strict=False` to load what matches."
+        )
+    _stream.warn_unexpected(where, plan.unexpected, stacklevel=3)
+    left = plan.left_on_meta()
+    if left:
+        warnings.warn(
+            f"Checkpoint {where!r} has no weights for {_stream.show(left)}; they stay on the "
+            "meta device, and the model cannot run until they are loaded.",
+            stacklevel=3,
+        )
+    _stream.stream(plan)
+
+
+def load_checkpoint_in_model(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    *,
+    device_map: str | Mapping[str, str | int | torch.device] | None = None,
+    dtype: torch.dtype | str | None = None,
+    strict: bool = False,
+) -> nn.Module:
+    """Load weights from a file, a folder or an index into ``model``, one file at a time.
+
+    ``checkpoint`` is a ``.safetensors`` file, a torch file (``torch.save`` output or
+    ``pytorch_model.bin``, read with ``weights_only=True``: no code in it runs), an
+    ``*.index.json`` of shards, or a directory holding one of these (the layout
+    ``save_model`` and ``transformers`` write). The files are read one after the other, and
+    everything is checked first (keys, shapes, the index's file names), so a load that fails
+    leaves the model as it was.
+
+    Tensors already allocated on their device are overwritten in place. Tensors on ``meta``
+    (a model built under ``accel.init_empty_weights()``) become real ones without a second
+    copy; on the CPU, in the checkpoint's dtype, they stay views of the file's private
+    (copy-on-write) memory map, as with ``safetensors.torch.load_file``, so replace a
+    checkpoint by writing a new file (as ``accel.save`` and ``save_model`` do) rather than
+    overwriting it in place while a model loaded from it is alive. Tied weights stay tied,
+    even when the checkpoint holds only one of their names.
+
+    Args:
+        model: The model (or a DDP wrapper of it) to load into.
+        checkpoint: Where the weights are.
+        device_map: ``{module name: device}`` (or ``"auto"``, ``"balanced"``,
+            ``"sequential"``); each tensor is read straight to its device. ``"disk"`` needs
+            hooks: use ``accel.load_checkpoint_and_dispatch``.
+        dtype: Cast floating tensors to it (integers keep theirs).
+        strict: Raise on missing or unexpected keys instead of warning about them.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        CheckpointError: no weights at ``checkpoint``, a malformed index or one naming a path
+            outside its directory, a missing, corrupted or refused file (a torch pickle with
+            anything but tensors), a shape mismatch, or (``strict``) a key mismatch.
+        DeviceMapError: a bad ``device_map``, or one that puts something on ``"disk"``.
+
+    Example:
+        >>> accel.load_checkpoint_in_model(model, "out")   # the folder save_model wrote
+    """
+    target = unwrap_model(as_module(model, "accel.load_checkpoint_in_model"))
+    as_path(checkpoint, "accel.load_checkpoint_in_model", "checkpoint")
+    cast = _stream.as_dtype(dtype)
+    placed: dict[str, torch.device | str] | None = None
+    if device_map is not None:
+        placed = resolve_device_map(target, device_map, dtype=cast)
+        on_disk = [name for name, where in placed.items() if where == _stream.DISK]
+        if on_disk:
+            raise DeviceMapError(
+                f"device_map puts {on_disk!r} on 'disk'; load_checkpoint_in_model cannot run "
+                "a model from disk. Use `accel.load_checkpoint_and_dispatch(model, checkpoint, "
+                "device_map=..., offload_folder=...)`, which adds the hooks that do."
+            )
+    def read(at: Path) -> None:
+        files = weight_files(at)
+        where = os.fspath(checkpoint)
+        _read_into(target, files, device_map=placed, dtype=cast, strict=strict, where=where)
+
+    path = Path(checkpoint)
+    source = resolve_weights(path)
+    try:
+        read(source)
+    except (CheckpointError, OSError):
+        if source == path or not os.path.lexists(path):
+            raise
+        read(path)  # the old copy was put back in place meanwhile (by a save): read it there
+    return model

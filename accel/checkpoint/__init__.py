@@ -14,7 +14,6 @@ _LAZY = {
     "get_state_dict": "accel.checkpoint.model_io",
     "latest_checkpoint": "accel.checkpoint.state",
     "load": "accel.checkpoint.model_io",
-    "load_checkpoint_in_model": "accel.checkpoint.model_io",
     "load_state": "accel.checkpoint.state",
     "save": "accel.checkpoint.model_io",
     "save_model": "accel.checkpoint.model_io",
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
     from accel.checkpoint._loading import CheckpointInfo as CheckpointInfo
     from accel.checkpoint.model_io import get_state_dict as get_state_dict
     from accel.checkpoint.model_io import load as load
-    from accel.checkpoint.model_io import load_checkpoint_in_model as load_checkpoint_in_model
     from accel.checkpoint.model_io import save as save
     from accel.checkpoint.model_io import save_model as save_model
     from accel.checkpoint.state import latest_checkpoint as latest_checkpoint

@@ -1,4 +1,4 @@
-"""Model weights: ``save``, ``save_model`` (HF layout), ``load_checkpoint_in_model``."""
+"""Model weights: ``save``, ``save_model`` (HF layout), ``load``, ``get_state_dict``."""
 
 from __future__ import annotations
 
@@ -14,20 +14,21 @@ from torch import nn
 
 from accel._sizes import parse_size
 from accel.checkpoint import _full_weights, _model_swap
-from accel.checkpoint._atomic import leftovers, temp_sibling, write_file_atomically
+from accel.checkpoint._atomic import temp_sibling, write_file_atomically
 from accel.checkpoint._format import write_bytes, write_safetensors
 from accel.checkpoint._paths import as_module, as_path
-from accel.checkpoint._safe_io import MAX_JSON_BYTES, load_json, read_bounded
 from accel.checkpoint._ties import tie_map
+from accel.checkpoint._weight_files import (
+    SAFE_INDEX,
+    SAFE_WEIGHTS,
+    TORCH_INDEX,
+    TORCH_WEIGHTS,
+    is_complete,
+)
 from accel.errors import CheckpointError
 from accel.model import unwrap_model
 
-__all__ = ["get_state_dict", "load", "load_checkpoint_in_model", "save", "save_model"]
-
-SAFE_WEIGHTS = "model.safetensors"
-SAFE_INDEX = "model.safetensors.index.json"
-TORCH_WEIGHTS = "pytorch_model.bin"
-TORCH_INDEX = "pytorch_model.bin.index.json"
+__all__ = ["get_state_dict", "load", "save", "save_model"]
 
 
 def get_state_dict(model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.Tensor]:
@@ -256,7 +257,7 @@ def save_model(
     _model_swap.check_target(target, names)
     target.parent.mkdir(parents=True, exist_ok=True)
     with _model_swap.locked(target):
-        _model_swap.recover(target, _is_complete)  # finish a save that was killed
+        _model_swap.recover(target, is_complete)  # finish a save that was killed
         _model_swap.check_target(target, names)
         new = temp_sibling(target)
         new.mkdir()
@@ -295,212 +296,3 @@ def _swap_target(out: Path) -> Path:
             "beside the directory and swapped in. Give a directory below the filesystem root."
         )
     return target
-
-
-def _plain_file_name(value: object) -> bool:
-    return (
-        isinstance(value, str)
-        and value not in ("", ".", "..")
-        and not any(c in value for c in ("/", "\\", "\0"))
-        and not os.path.isabs(value)
-        and not os.path.splitdrive(value)[0]
-    )
-
-
-def _index_files(index_path: Path) -> list[Path]:
-    """The files an index names, each checked to be a plain file name beside the index."""
-    where = os.fspath(index_path)
-    fix = "Fix the file or write it again with accel.save_model."
-    try:  # a link is followed (the Hugging Face cache links files to blobs), a FIFO is not
-        raw = read_bounded(index_path, MAX_JSON_BYTES, follow_links=True)
-    except OSError as exc:
-        raise CheckpointError(f"Index {where!r} cannot be read ({exc}). {fix}") from None
-    index = load_json(
-        raw, lambda problem: CheckpointError(f"Index {where!r} is not valid: {problem}. {fix}")
-    )
-    if not isinstance(index, dict):
-        problem = f"is a JSON {type(index).__name__}, not an object"
-    elif "weight_map" not in index:
-        problem = "has no 'weight_map'"
-    elif not isinstance(index["weight_map"], dict):
-        problem = f"has a 'weight_map' of type {type(index['weight_map']).__name__}"
-    else:
-        problem = ""
-    if problem:
-        raise CheckpointError(
-            f"Index {where!r} {problem}; an index is "
-            '{"metadata": {...}, "weight_map": {"<tensor name>": "<file name>", ...}}. ' + fix
-        )
-    weight_map: dict[str, object] = index["weight_map"]
-    for key, value in weight_map.items():
-        if not _plain_file_name(value):
-            raise CheckpointError(
-                f"Index {where!r} maps {key!r} to {value!r}, which is not a file name in the "
-                "index's directory: weight_map values must be plain file names such as "
-                "'model-00001-of-00002.safetensors' (no '/', '\\', '..' or absolute path). "
-                + fix
-            )
-    return [index_path.parent / str(f) for f in dict.fromkeys(weight_map.values())]
-
-
-def _is_complete(directory: Path) -> bool:
-    """Whether ``directory`` holds a whole weight set (every file its index names)."""
-    try:
-        return all(f.is_file() for f in _checkpoint_files(directory))
-    except (CheckpointError, OSError):
-        return False
-
-
-def _resolve(checkpoint: Path) -> Path:
-    """``checkpoint``, or where its weights wait while a killed ``save_model`` left it missing.
-
-    That happens only on platforms without an atomic directory swap, killed between the two
-    renames: the old directory is put back if this process can take the writer lock, else it
-    is read where it is.
-    """
-    if os.path.lexists(checkpoint) or not checkpoint.name or not leftovers(checkpoint, "old"):
-        return checkpoint
-    try:
-        with _model_swap.locked(checkpoint):
-            _model_swap.restore(checkpoint, _is_complete)
-    except (CheckpointError, OSError):
-        pass  # a writer is at work, or this place is read-only
-    return _model_swap.old_copy(checkpoint, _is_complete) or checkpoint
-
-
-def _checkpoint_files(checkpoint: Path) -> list[Path]:
-    if checkpoint.is_file() and checkpoint.name.endswith(".index.json"):
-        return _index_files(checkpoint)
-    if checkpoint.is_file():
-        return [checkpoint]
-    if checkpoint.is_dir():
-        for index_name in (SAFE_INDEX, TORCH_INDEX):
-            if (checkpoint / index_name).is_file():
-                return _checkpoint_files(checkpoint / index_name)
-        for single in (SAFE_WEIGHTS, TORCH_WEIGHTS):
-            if (checkpoint / single).is_file():
-                return [checkpoint / single]
-        indexes = sorted(p for p in checkpoint.glob("*.index.json") if p.is_file())
-        if len(indexes) == 1:  # another library's name for the index, as Accelerate reads
-            return _index_files(indexes[0])
-        if len(indexes) > 1:
-            raise CheckpointError(
-                f"{os.fspath(checkpoint)!r} holds several indexes "
-                f"{[p.name for p in indexes]!r}; pass the one to load."
-            )
-    raise CheckpointError(
-        f"No weights at {os.fspath(checkpoint)!r}: expected a .safetensors/.bin file, an "
-        f"index.json, or a directory holding {SAFE_WEIGHTS}, {SAFE_INDEX}, {TORCH_WEIGHTS} or "
-        f"{TORCH_INDEX}."
-    )
-
-
-def _read_into(
-    target: nn.Module,
-    files: list[Path],
-    *,
-    device_map: Mapping[str, torch.device | str] | None,
-    dtype: torch.dtype | None,
-    strict: bool,
-    where: str,
-) -> None:
-    """Check ``files`` against ``target`` (nothing changes on a mismatch), then stream them."""
-    from accel.checkpoint import _stream
-
-    placer = _stream.in_place if device_map is None else _stream.where_mapped(device_map)
-    plan = _stream.plan_load(target, files, placer=placer, dtype=dtype)
-    if strict and (plan.missing or plan.unexpected):
-        raise CheckpointError(
-            f"Checkpoint {where!r} does not match the model: missing keys "
-            f"{_stream.show(plan.missing)}, unexpected keys {_stream.show(plan.unexpected)}. "
-            "Pass `strict=False` to load what matches."
-        )
-    _stream.warn_unexpected(where, plan.unexpected, stacklevel=3)
-    left = plan.left_on_meta()
-    if left:
-        warnings.warn(
-            f"Checkpoint {where!r} has no weights for {_stream.show(left)}; they stay on the "
-            "meta device, and the model cannot run until they are loaded.",
-            stacklevel=3,
-        )
-    _stream.stream(plan)
-
-
-def load_checkpoint_in_model(
-    model: nn.Module,
-    checkpoint: str | os.PathLike[str],
-    *,
-    device_map: str | Mapping[str, str | int | torch.device] | None = None,
-    dtype: torch.dtype | str | None = None,
-    strict: bool = False,
-) -> nn.Module:
-    """Load weights from a file, a folder or an index into ``model``, one file at a time.
-
-    ``checkpoint`` is a ``.safetensors`` file, a torch file (``torch.save`` output or
-    ``pytorch_model.bin``, read with ``weights_only=True``: no code in it runs), an
-    ``*.index.json`` of shards, or a directory holding one of these (the layout
-    ``save_model`` and ``transformers`` write). The files are read one after the other, and
-    everything is checked first (keys, shapes, the index's file names), so a load that fails
-    leaves the model as it was.
-
-    Tensors already allocated on their device are overwritten in place. Tensors on ``meta``
-    (a model built under ``accel.init_empty_weights()``) become real ones without a second
-    copy; on the CPU, in the checkpoint's dtype, they stay views of the file's private
-    (copy-on-write) memory map, as with ``safetensors.torch.load_file``, so replace a
-    checkpoint by writing a new file (as ``accel.save`` and ``save_model`` do) rather than
-    overwriting it in place while a model loaded from it is alive. Tied weights stay tied,
-    even when the checkpoint holds only one of their names.
-
-    Args:
-        model: The model (or a DDP wrapper of it) to load into.
-        checkpoint: Where the weights are.
-        device_map: ``{module name: device}`` (or ``"auto"``, ``"balanced"``,
-            ``"sequential"``); each tensor is read straight to its device. ``"disk"`` needs
-            hooks: use ``accel.load_checkpoint_and_dispatch``.
-        dtype: Cast floating tensors to it (integers keep theirs).
-        strict: Raise on missing or unexpected keys instead of warning about them.
-
-    Returns:
-        ``model``.
-
-    Raises:
-        CheckpointError: no weights at ``checkpoint``, a malformed index or one naming a path
-            outside its directory, a missing, corrupted or refused file (a torch pickle with
-            anything but tensors), a shape mismatch, or (``strict``) a key mismatch.
-        DeviceMapError: a bad ``device_map``, or one that puts something on ``"disk"``.
-
-    Example:
-        >>> accel.load_checkpoint_in_model(model, "out")   # the folder save_model wrote
-    """
-    from accel.checkpoint._stream import DISK, as_dtype
-    from accel.errors import DeviceMapError
-
-    target = unwrap_model(as_module(model, "accel.load_checkpoint_in_model"))
-    as_path(checkpoint, "accel.load_checkpoint_in_model", "checkpoint")
-    cast = as_dtype(dtype)
-    placed: dict[str, torch.device | str] | None = None
-    if device_map is not None:
-        from accel.big_model.device_map import resolve_device_map
-
-        placed = resolve_device_map(target, device_map, dtype=cast)
-        on_disk = [name for name, where in placed.items() if where == DISK]
-        if on_disk:
-            raise DeviceMapError(
-                f"device_map puts {on_disk!r} on 'disk'; load_checkpoint_in_model cannot run "
-                "a model from disk. Use `accel.load_checkpoint_and_dispatch(model, checkpoint, "
-                "device_map=..., offload_folder=...)`, which adds the hooks that do."
-            )
-    def read(at: Path) -> None:
-        files = _checkpoint_files(at)
-        where = os.fspath(checkpoint)
-        _read_into(target, files, device_map=placed, dtype=cast, strict=strict, where=where)
-
-    path = Path(checkpoint)
-    source = _resolve(path)
-    try:
-        read(source)
-    except (CheckpointError, OSError):
-        if source == path or not os.path.lexists(path):
-            raise
-        read(path)  # the old copy was put back in place meanwhile (by a save): read it there
-    return model

@@ -86,9 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(ns: argparse.Namespace) -> int:
-    from accel._config_file import config_path
+    from accel._config_file import config_path, write_config
     from accel.errors import AbortedError
-    from accel.launch._toml_writer import write_config
     from accel.launch.config import default_settings
     from accel.launch.questionnaire import ask_config
 

@@ -5,8 +5,8 @@ the config file, then defaults. :func:`resolve_settings` merges the layers and r
 each value came from (what ``accel env`` shows).
 
 The keys, kinds and checks are in :mod:`accel._settings`; reading the file is in
-:mod:`accel._config_file` (below ``accel.distributed()``, which reads it too); writing it in
-:mod:`accel.launch._toml_writer`; the questionnaire in :mod:`accel.launch.questionnaire`.
+:mod:`accel._config_file`, and writing it (below ``accel.distributed()``, which reads it too);
+the questionnaire in :mod:`accel.launch.questionnaire`.
 """
 
 from __future__ import annotations

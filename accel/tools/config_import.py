@@ -351,7 +351,7 @@ def _write(target: Path, text: str) -> None:
 
 def toml_text(settings: Mapping[str, object], source: Path) -> str:
     """The accel config file for ``settings``, saying which file it was imported from."""
-    from accel.launch._toml_writer import dump_config
+    from accel._config_file import dump_config
 
     shown = "".join(c if c.isprintable() else "?" for c in os.fspath(source))
     return dump_config(settings).replace(

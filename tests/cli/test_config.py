@@ -8,11 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from accel._config_file import config_path, default_config_path, load_config, parse_config
+from accel._config_file import (
+    config_path,
+    default_config_path,
+    dump_config,
+    load_config,
+    parse_config,
+    write_config,
+)
 from accel._env import LaunchEnv
 from accel._settings import SETTINGS, validate_setting
 from accel.errors import AbortedError, ConfigError
-from accel.launch._toml_writer import dump_config, write_config
 from accel.launch.config import Resolved, default_settings, resolve_settings
 from accel.launch.questionnaire import ask_config
 

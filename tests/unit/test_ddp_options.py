@@ -15,11 +15,10 @@ import torch
 from torch import nn
 
 import accel
-from accel._config_file import parse_config
+from accel._config_file import dump_config, parse_config
 from accel._settings import validate_setting
 from accel._state import ProcessState, Scope, set_state
 from accel.errors import ConfigError
-from accel.launch._toml_writer import dump_config
 from accel.parallel import _ddp
 
 ALL_OPTIONS: dict[str, Any] = {

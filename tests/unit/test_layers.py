@@ -3,7 +3,9 @@
 The import graph is drawn from the source with ``ast``: every ``import``/``from ... import``
 naming an accel module, at module level or inside a function (a lazy import is a dependency
 too). Run this file as a script to print the graph with each module's layer. The page also
-names every module in a group; a module it does not name fails here. The graph has no cycle.
+names every module in a group; a module it does not name fails here. The graph has no cycle,
+and neither has the graph of accel's subpackages (``accel.checkpoint``, ``accel.big_model``...:
+one node each, an edge where a module of one imports a module of the other).
 """
 
 from __future__ import annotations
@@ -153,6 +155,23 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(cycles)
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each subpackage of accel (``accel.x`` holding modules) and the subpackages its modules
+    import. The package itself and its top-level modules are no subpackage: left out."""
+    packages = {m for m in graph if m.count(".") == 1 and any(o.startswith(f"{m}.") for o in graph)}
+
+    def package_of(module: str) -> str | None:
+        name = ".".join(module.split(".")[:2])
+        return name if name in packages else None
+
+    out: dict[str, set[str]] = {p: set() for p in packages}
+    for module, deps in graph.items():
+        source = package_of(module)
+        if source is not None:
+            out[source].update(d for d in map(package_of, deps) if d not in (None, source))
+    return out
+
+
 def test_imports_only_flow_down() -> None:
     graph = import_graph()
     assert "accel._settings" in graph and "accel.process_group" in graph
@@ -161,6 +180,25 @@ def test_imports_only_flow_down() -> None:
 
 def test_no_import_cycle() -> None:
     assert import_cycles(import_graph()) == []
+
+
+def test_no_cycle_between_packages() -> None:
+    packages = package_graph(import_graph())
+    assert {"accel.checkpoint", "accel.big_model", "accel.launch", "accel.tools"} <= set(packages)
+    assert "accel.checkpoint" in packages["accel.big_model"]  # big models load checkpoints
+    assert import_cycles(packages) == []
+
+
+def test_a_package_cycle_is_found() -> None:
+    graph = {
+        "accel.a": set(), "accel.a.x": {"accel.b.y"}, "accel.a.w": {"accel.m"},
+        "accel.b": set(), "accel.b.y": set(), "accel.b.z": {"accel.a"},
+        "accel.c": set(), "accel.c.q": {"accel.a.x"}, "accel.m": {"accel.a.x"},
+    }
+    assert package_graph(graph) == {
+        "accel.a": {"accel.b"}, "accel.b": {"accel.a"}, "accel.c": {"accel.a"},
+    }  # accel.m is a top-level module: its imports form no package edge
+    assert import_cycles(package_graph(graph)) == [["accel.a", "accel.b"]]
 
 
 def test_a_cycle_is_found() -> None:
@@ -250,4 +288,7 @@ if __name__ == "__main__":  # print the graph, lowest layer first
         print(f"[{LAYERS[layer_of(module)][0]}] {module} -> {deps}")
     for cycle in import_cycles(graph):
         print("cycle:", " ".join(cycle))
-    sys.exit(1 if upward_imports(graph) or import_cycles(graph) else 0)
+    for cycle in import_cycles(package_graph(graph)):
+        print("package cycle:", " ".join(cycle))
+    failed = upward_imports(graph) or import_cycles(graph) or import_cycles(package_graph(graph))
+    sys.exit(1 if failed else 0)
