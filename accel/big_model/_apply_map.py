@@ -54,6 +54,7 @@ class _Use:
     exec_device: torch.device
     offloaded: bool  # kept outside ``exec_device`` between forwards
     to_disk: bool
+    in_offload: bool = False  # its map entry is offloaded (``"disk"``, or ``"cpu"`` beside a GPU)
 
 
 @attrs.define(eq=False)
@@ -219,6 +220,8 @@ def apply_map(
         home, origin = homes[key], origins.get(key)
         if isinstance(home, torch.device):
             dispatch.slots += _resident_slots(t, home, origin)
+            if not t.is_param and home.type != "cpu":  # remove_hooks brings these back
+                dispatch.home_buffers += [(u.module, u.attr) for u in t.uses if u.in_offload]
             continue
         weight = _offloaded_weight(t, home, origin, written, main)
         dispatch.slots += [Slot(use.module, use.attr, weight) for use in t.uses]
@@ -268,9 +271,11 @@ def _place_uses(
                 offloaded, to_disk, device = True, False, main
             else:
                 offloaded, to_disk, device = False, False, torch.device(where)
+            region = offloaded
             if not t.is_param and (not t.persistent or not offload_buffers):
                 offloaded = to_disk = False  # buffers stay on the execution device
-            t.uses.append(_Use(modules[module_name], module_name, attr, device, offloaded, to_disk))
+            t.uses.append(_Use(modules[module_name], module_name, attr, device, offloaded, to_disk,
+                               region))
 
 
 def _homes(

@@ -294,6 +294,9 @@ class Dispatch:
 
     slots: list[Slot] = attrs.field(factory=list)
     handles: list[RemovableHandle] = attrs.field(factory=list)
+    # buffers of offloaded modules kept on the (GPU) execution device: back to the CPU with
+    # their module's weights when the hooks are removed
+    home_buffers: list[tuple[nn.Module, str]] = attrs.field(factory=list)
 
     def install(self, hooks: Mapping[nn.Module, ModuleHook]) -> None:
         """Register the forward hooks and the ``state_dict`` hooks, fill the placeholders."""
@@ -330,6 +333,10 @@ class Dispatch:
                 values[id(slot.weight)] = slot.weight.materialize()
         for slot in self.slots:
             slot.fill(values[id(slot.weight)])
+        for module, name in self.home_buffers:
+            buffer = module._buffers.get(name)
+            if buffer is not None and buffer.device.type != "cpu":
+                module._buffers[name] = buffer.to("cpu")
 
 
 def covering_entry(device_map: Mapping[str, Placement], name: str) -> str | None:
