@@ -199,14 +199,30 @@ def layout_groups(params: list[Any]) -> list[list[Any]]:
         >>> [len(group) for group in layout_groups(list(model.parameters()))]
         [4, 8, 2]
     """
-    groups: dict[object, list[Any]] = {}
+    groups: dict[int, list[Any]] = {}
     for param in params:
-        if param.grad is None:
-            continue
-        mesh = getattr(param, "device_mesh", None)
-        key = None if mesh is None else (id(mesh), param.placements)
-        groups.setdefault(key, []).append(param)
+        if param.grad is not None:
+            groups.setdefault(_layout(param), []).append(param)
     return list(groups.values())
+
+
+_LAYOUT = "_accel_layout"  # a parameter's (id, layout number), kept on it
+_LAYOUTS: dict[object, int] = {}  # (id(mesh), placements) -> a number (cheap to hash)
+
+
+def _layout(param: Any) -> int:
+    """A number for the mesh and placements of a DTensor parameter (0 for a plain one), worked
+    out once per parameter: a DTensor's attributes and placements are slow to read and hash
+    (a copy of the parameter, with another id, works it out again)."""
+    cached = param.__dict__.get(_LAYOUT)
+    if cached is not None and cached[0] == id(param):
+        return cached[1]  # type: ignore[no-any-return]
+    mesh = getattr(param, "device_mesh", None)
+    number = 0 if mesh is None else _LAYOUTS.setdefault(
+        (id(mesh), tuple(param.placements)), len(_LAYOUTS) + 1
+    )
+    param.__dict__[_LAYOUT] = (id(param), number)
+    return number
 
 
 def clip_by_total_norm(
