@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from accel._state import scope, state
+from accel._state import ProcessState, scope, state
 from accel.errors import ArgumentTypeError, NotPicklableError
 from accel.parallel._fsdp_params import (
     check_optimizer_parameters,
@@ -163,20 +163,21 @@ class PreparedOptimizer(torch.optim.Optimizer):
         """
         if not scope().sync_gradients:
             return None
-        if state().mesh is not None:
+        st = state()
+        if st.mesh is not None:
             from torch.distributed.tensor.experimental import implicit_replication
 
             with implicit_replication():
-                return self._step(closure)
-        return self._step(closure)
+                return self._step(closure, st)
+        return self._step(closure, st)
 
-    def _step(self, closure: Callable[[], float] | None) -> Any:
+    def _step(self, closure: Callable[[], float] | None, st: ProcessState) -> Any:
         scaler = self.scaler
-        if scaler is None or state().mixed_precision != "fp16":
+        if scaler is None or st.mixed_precision != "fp16":
             if closure is None:
                 return self.optimizer.step()
             return self.optimizer.step(closure)
-        if state().mesh is not None:
+        if st.mesh is not None:
             _agree_on_overflow(scaler, self.optimizer, unscaled=self._unscaled)
         if self._hook is not None:
             self._stepped = False
@@ -247,7 +248,7 @@ def _agree_on_overflow(scaler: torch.amp.GradScaler, optimizer: Any, *, unscaled
     if not unscaled:
         mesh_unscale(scaler, optimizer)  # records found_inf per device (scaler.step reuses it)
     found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-    if not found:
+    if not found:  # no gradient on this rank: torch's GradScaler.step refuses it next
         return
     values = list(found.values())
     flag = torch.stack([v.to(values[0].device).reshape(()) for v in values]).amax()

@@ -350,11 +350,12 @@ _NAMED = (
 
 def _same_mesh(outer: ProcessState, sizes: Mapping[str, int | None]) -> None:
     """Refuse mesh sizes in a nested block that differ from the outer block's mesh."""
-    if all(v is None for v in sizes.values()):
-        return
-    have = dict(zip(SIZE_KEYS, (*(outer.mesh_shape or (None, None, None)), None), strict=True))
+    shape = outer.mesh_shape
+    have = dict.fromkeys(SIZE_KEYS) if shape is None else dict(
+        zip(SIZE_KEYS, (*shape, 1), strict=True)  # cp_size: always 1 in a mesh
+    )
     for key, value in sizes.items():
-        if value is not None and value != (have[key] or (1 if outer.mesh_shape else None)):
+        if value is not None and value != have[key]:
             raise ConfigError(
                 f"accel.distributed({key}={value}) inside a block whose mesh is "
                 f"{outer.mesh_shape or 'not set'} (dp_replicate, dp_shard, tp): the mesh is made "

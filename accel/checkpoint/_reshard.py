@@ -49,7 +49,7 @@ from accel.checkpoint._ties import (
 from accel.errors import CheckpointError
 from accel.model import unwrap_model
 
-__all__ = ["resolve"]
+__all__ = ["are_counts", "disjoint", "resolve"]
 
 _MAX_DIMS = 64  # as a safetensors header: more is no tensor accel wrote
 
@@ -82,7 +82,7 @@ class _Pieces:
             for key, spot in pieces.items():
                 offset = spot.get("offset") if isinstance(spot, Mapping) else None
                 size = spot.get("shape") if isinstance(spot, Mapping) else None
-                if not (_counts(offset) and _counts(size) and len(offset) == len(size)):
+                if not (are_counts(offset) and are_counts(size) and len(offset) == len(size)):
                     raise self._corrupt(f"{file} places its piece of {key!r} at {spot!r:.80}")
                 self.where.setdefault(key, []).append((stem, offset, size))
 
@@ -97,7 +97,7 @@ class _Pieces:
 
     def shape(self, key: str) -> tuple[int, ...]:
         entry = self.meta.get(key)
-        if not isinstance(entry, Mapping) or not _counts(entry.get("shape")):
+        if not isinstance(entry, Mapping) or not are_counts(entry.get("shape")):
             raise self._corrupt(f"no global shape for {key!r}")
         return tuple(entry["shape"])
 
@@ -147,7 +147,7 @@ class _Pieces:
             raise self._corrupt(
                 f"its pieces of {key!r} cover {filled} of the {needed} values needed"
             )
-        if not _disjoint([(lo, hi) for _, _, lo, hi in found]):
+        if not disjoint([(lo, hi) for _, _, lo, hi in found]):
             raise self._corrupt(
                 f"its pieces of {key!r} overlap: they hold the {needed} values needed, but some "
                 "twice and others not at all"
@@ -160,14 +160,14 @@ class _Pieces:
         return out
 
 
-def _counts(value: Any) -> TypeGuard[list[int]]:
+def are_counts(value: Any) -> TypeGuard[list[int]]:
     """Whether ``value`` is a list of ints >= 0 (a shape or an offset, as accel writes them)."""
     return isinstance(value, list) and len(value) <= _MAX_DIMS and all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
     )
 
 
-def _disjoint(boxes: list[tuple[list[int], list[int]]]) -> bool:
+def disjoint(boxes: list[tuple[list[int], list[int]]]) -> bool:
     """Whether no two boxes ``[lo, hi)`` share a point: each is marked on the grid their
     corners cut the space into (at most as many cells as the values they cover)."""
     if len(boxes) < 2:

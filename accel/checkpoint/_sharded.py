@@ -145,16 +145,21 @@ def _holds(value: Any, cls: type) -> bool:
     return False
 
 
-def _first_copy(mesh: Any, root: Any) -> bool:
+def _root_coordinate(root: Any) -> dict[str, int]:
+    """This rank's coordinate on each named dim of the block's mesh (empty without one)."""
+    if root is None:
+        return {}
+    return dict(zip(root.mesh_dim_names or (), root.get_coordinate() or (), strict=False))
+
+
+def _first_copy(mesh: Any, where_in_root: dict[str, int]) -> bool:
     """Whether this rank holds the first copy of a tensor on ``mesh``, a submesh of the block's
-    mesh ``root``: coordinate 0 on every dim of ``root`` that ``mesh`` lacks (e.g. ``tp`` for
-    a layer left whole under tensor parallelism, whose FSDP shards repeat on each TP rank)."""
+    mesh: coordinate 0 on every dim of the block's mesh that ``mesh`` lacks (e.g. ``tp`` for a
+    layer left whole under tensor parallelism, whose FSDP shards repeat on each TP rank)."""
     names = mesh.mesh_dim_names
-    root_names = root.mesh_dim_names or ()
-    if not names or not set(names) <= set(root_names):
+    if not names or not set(names) <= set(where_in_root):
         return True  # a mesh of the user's own: its pieces are all written
-    coordinate = root.get_coordinate() or ()
-    return all(c == 0 for name, c in zip(root_names, coordinate, strict=False) if name not in names)
+    return all(c == 0 for name, c in where_in_root.items() if name not in names)
 
 
 def _local_pieces(
@@ -171,11 +176,12 @@ def _local_pieces(
     pieces: dict[str, torch.Tensor] = {}
     where: dict[str, dict[str, list[int]]] = {}
     root = state().mesh
+    where_in_root = _root_coordinate(root)
     for key, dt in dtensors.items():
         coordinate = dt.device_mesh.get_coordinate()
         if coordinate is None:  # this rank is not in the tensor's mesh
             continue
-        if root is not None and not _first_copy(dt.device_mesh, root):
+        if where_in_root and not _first_copy(dt.device_mesh, where_in_root):
             continue  # the same piece lives on the ranks of the mesh dims this tensor lacks
         if any(isinstance(p, Partial) for p in dt.placements):
             raise CheckpointError(

@@ -241,8 +241,8 @@ def clip_by_total_norm(
     """
     groups = layout_groups(params) if state().mesh is not None else []
     if len(groups) <= 1:
-        grads = [p.grad for p in params if p.grad is not None]
         if max_norm is None:
+            grads = [p.grad for p in params if p.grad is not None]
             return plain_norm(torch.nn.utils.get_total_norm(grads, norm_type))
         return plain_norm(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
     norms = [

@@ -125,31 +125,31 @@ def _pieces(bodies: Mapping[str, Any], name: str) -> dict[str, list[tuple[Any, A
 
 def _coverage(name: str, meta: Mapping[str, Any], pieces: Mapping[str, Any]) -> list[str]:
     """Problems of a sharded object: tensors whose pieces do not cover them exactly once."""
-    from accel.checkpoint._reshard import _counts, _disjoint
+    from accel.checkpoint._reshard import are_counts, disjoint
 
     problems = []
     for key, info in meta.items():
         shape = info.get("shape") if isinstance(info, Mapping) else None
-        if not _counts(shape):
+        if not are_counts(shape):
             problems.append(f"{name}: no valid global shape for {key!r} ({shape!r:.60})")
             continue
         boxes: list[tuple[list[int], list[int]]] = []
         for offset, size in pieces.get(key, []):
-            if not (_counts(offset) and _counts(size) and len(offset) == len(size) == len(shape)
+            if not (are_counts(offset) and are_counts(size)
+                    and len(offset) == len(size) == len(shape)
                     and all(o + s <= d for o, s, d in zip(offset, size, shape, strict=True))):
                 problems.append(f"{name}: a piece of {key!r} lies outside its shape {shape}")
                 break
             boxes.append((offset, [o + s for o, s in zip(offset, size, strict=True)]))
         else:
-            covered = sum(math.prod(b - a for a, b in zip(lo, hi, strict=True))
-                          for lo, hi in boxes if all(b > a for a, b in zip(lo, hi, strict=True)))
+            held = [(lo, hi) for lo, hi in boxes if all(b > a for a, b in zip(lo, hi, strict=True))]
+            covered = sum(math.prod(b - a for a, b in zip(lo, hi, strict=True)) for lo, hi in held)
             total = math.prod(shape)
             if covered != total:
                 problems.append(
                     f"{name}: the ranks' pieces of {key!r} hold {covered} of its {total} values"
                 )
-            elif not _disjoint([box for box in boxes
-                                if all(b > a for a, b in zip(*box, strict=True))]):
+            elif not disjoint(held):
                 problems.append(
                     f"{name}: the ranks' pieces of {key!r} overlap: some values are held twice "
                     "and others not at all"
