@@ -2,11 +2,13 @@
 
 Also: the modules named by the ``preload`` marks of the selected tests are imported once by
 the warm server that forks the processes of ``run_distributed``/``run_script``
-(:func:`accel.testing.preload`), instead of once in every such process.
+(:func:`accel.testing.preload`), instead of once in every such process; and what the session
+imported is frozen out of the garbage collector's passes.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import threading
@@ -49,6 +51,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 preload(name)
             except ConfigError:  # a submodule this version of the package lacks
                 pass
+    # Everything imported so far (torch, transformers, hypothesis, the test modules) lives as
+    # long as the session: frozen, the garbage collector's full passes (automatic ones, and
+    # accel.free_memory's) stop walking it. They took ~0.3 s each, ~20% of the unit tests.
+    gc.freeze()
 
 
 def _environ() -> dict[str, str]:

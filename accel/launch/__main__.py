@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
-from accel.launch.cli import module_main
+from accel.launch.cli import exit_process, module_main
 
 if __name__ == "__main__":
-    sys.exit(module_main())
+    exit_process(module_main())

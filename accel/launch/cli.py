@@ -9,14 +9,18 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from accel.errors import AccelError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "exit_process", "main", "script_main"]
 
 _COMMANDS = ("launch", "config", "env", "test", "estimate-memory", "merge-weights", "checkpoint")
 
@@ -180,3 +184,37 @@ def module_main(argv: Sequence[str] | None = None) -> int:
     if args and args[0] not in _COMMANDS and args[0] not in ("-h", "--help"):
         args = ["launch", *args]
     return main(args)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the command's process with ``code`` as Python would, minus the interpreter teardown.
+
+    What a normal exit does that matters is done first: non-daemon threads are joined, the
+    exit functions run (``atexit``, ``weakref.finalize``, logging's flush), stdout and stderr
+    are flushed. What is skipped is tearing down every object and module one by one, which
+    with torch imported takes ~0.6 s: a launch ends that much sooner. Only for the command's
+    own process (the launcher, the tools), never for a training script's.
+
+    Example:
+        >>> exit_process(main())  # the `accel` console script
+    """
+    main_thread = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main_thread and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: Python would say nothing either
+            pass
+    os._exit(code)
+
+
+def script_main() -> NoReturn:
+    """The ``accel`` console script: :func:`main`, then :func:`exit_process`.
+
+    Example:
+        >>> script_main()  # argv from sys.argv
+    """
+    exit_process(main())

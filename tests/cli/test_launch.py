@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,34 @@ def test_invalid_options_are_reported_without_a_traceback(
     assert "accel launch: error:" in done.stdout
     assert "mixed_precision='fp32'" in done.stdout
     assert "Traceback" not in done.stdout
+
+
+def test_the_command_process_ends_without_the_interpreter_teardown(tmp_path: Path) -> None:
+    # exit_process: threads joined, exit functions run, streams flushed, the code kept
+    code = (
+        "import atexit, sys, threading, time\n"
+        "from accel.launch.cli import exit_process\n"
+        "atexit.register(lambda: print('exit function ran', flush=False))\n"
+        "class Loud:\n"
+        "    def __del__(self): print('teardown ran')\n"
+        "keep = Loud()\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()\n"
+        "print('unflushed', end='')\n"
+        "sys.stderr.write('to stderr')\n"
+        "exit_process(3)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 3
+    assert done.stdout == "unflushedthread done\nexit function ran\n"  # no 'teardown ran'
+    assert done.stderr == "to stderr"
+
+
+def test_the_console_script_and_the_module_end_through_exit_process() -> None:
+    import tomllib
+
+    import accel.launch.__main__ as module_entry
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["accel"] == "accel.launch.cli:script_main"
+    assert "exit_process(module_main())" in Path(module_entry.__file__).read_text()
