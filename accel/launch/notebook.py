@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -31,6 +33,9 @@ from accel.launch.failures import describe_failure, is_peer_loss
 
 __all__ = ["debug_launcher", "notebook_launcher"]
 
+# How long a worker whose error is a lost peer waits before it ends (see _run_in_worker).
+_PEER_LOSS_LINGER_S = 2.0
+
 def _attempt() -> int:
     """Which attempt of the job this worker belongs to (0, then 1 after a restart, ...)."""
     # the elastic agent numbers the attempts for its workers in this variable
@@ -50,6 +55,11 @@ def _run_in_worker(
     rank that failed first in the last attempt (torch reports whichever failed process it
     notices first). A worker the launcher stopped (torch's termination handler raises
     ``SignalException`` in it) is marked as such: it is never the root cause.
+
+    A worker that only lost its peer stays alive for up to :data:`_PEER_LOSS_LINGER_S` after
+    its report: with forked workers torch records just the one failed process it sees first,
+    and a peer that died without a report (``os._exit``, a SIGKILL) is the one to record.
+    The launcher stops the lingering worker as soon as it sees that failure.
     """
     os.environ.update(env)  # the worker's own environment, read by accel.distributed()
     attempt = _attempt()
@@ -75,7 +85,20 @@ def _run_in_worker(
                 json.dump(report, f)
         except OSError:
             pass  # best effort: torch's own failure record still exists
+        if not report["stopped"] and is_peer_loss(text):
+            _linger()
         raise
+
+
+def _linger() -> None:
+    """Wait :data:`_PEER_LOSS_LINGER_S`, ending at once if the launcher stops this worker.
+
+    The launcher stops workers with SIGTERM, which a training function may have taken over
+    (``accel.preemption``'s handler only records it): the default action is put back first.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(_PEER_LOSS_LINGER_S)
 
 
 def _first_report(reports: str, noticed: set[int]) -> dict[str, Any] | None:

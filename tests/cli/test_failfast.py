@@ -9,7 +9,6 @@ the 30-minute collective timeout. Every run here has a hard bound far below that
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -129,22 +128,14 @@ else:
 '''
 
 
-def _notebook(tmp_path: Path, mode: str, bound: float, *, fresh: bool = False) -> dict[
-        str, tuple[str, Any]]:
+def _notebook(tmp_path: Path, mode: str, bound: float) -> dict[str, tuple[str, Any]]:
     """``python notebook.py MODE``, forked from the warm workers (torch and accel imported;
-    notebook_launcher forks its workers from it), or (``fresh``) as a new interpreter; past
-    ``bound`` seconds it is killed with its workers and the test fails (as does a non-zero
-    exit), quoting its output."""
+    notebook_launcher forks its workers from it); past ``bound`` seconds it is killed with its
+    workers and the test fails (as does a non-zero exit), quoting its output."""
     script = tmp_path / "notebook.py"
     script.write_text(NOTEBOOK)
-    if fresh:
-        done = run_bounded([sys.executable, str(script), mode], cwd=tmp_path,
-                           env=clean_env(tmp_path), timeout=bound)
-        assert done.returncode == 0, done.stdout
-        stdout = done.stdout
-    else:
-        stdout = run_script(script, mode, world_size=1, launch=False, cwd=tmp_path,
-                            env=clean_env_changes(tmp_path), timeout=bound).stdout[0]
+    stdout = run_script(script, mode, world_size=1, launch=False, cwd=tmp_path,
+                        env=clean_env_changes(tmp_path), timeout=bound).stdout[0]
     found: dict[str, tuple[str, Any]] = {}
     for line in stdout.splitlines():
         parts = line.split(" ", 2)
@@ -159,9 +150,10 @@ def test_notebook_launcher_restarts_after_an_exception_and_finishes(tmp_path: Pa
 
 
 def test_notebook_and_debug_launcher_raise_the_failing_ranks_error(tmp_path: Path) -> None:
-    # a fresh interpreter: with workers forked from a warm parent (faster start), the "last"
-    # case blamed rank 0's lost-peer error instead of rank 1's silent exit (2 runs in 2)
-    found = _notebook(tmp_path, "fail", 2 * FAIL_BOUND_S + RESTART_BOUND_S, fresh=True)
+    # forked from the warm workers: with their faster start, the "last" case blamed rank 0's
+    # lost-peer error instead of rank 1's silent exit, until a worker that lost its peer
+    # lingered so that torch records the silent exit first
+    found = _notebook(tmp_path, "fail", 2 * FAIL_BOUND_S + RESTART_BOUND_S)
     for tag in ("fail", "debug"):
         kind, (name, message) = found[tag]
         assert (kind, name) == ("ERROR", "LaunchError"), found[tag]
