@@ -49,6 +49,7 @@ def test_two_cpu_processes_train_with_options(tmp_path: Path) -> None:
     assert ranks[0]["weights"] == ranks[1]["weights"]  # DDP kept them in sync
 
 
+@pytest.mark.slow
 def test_accelerate_flags_and_module_entry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
+
 from accel.testing import run_script
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "tensor_parallel.py"
@@ -15,6 +17,7 @@ def _steps(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith("step ")]
 
 
+@pytest.mark.slow
 def test_every_mesh_prints_the_losses_of_one_process(tmp_path: pathlib.Path) -> None:
     one = run_script(EXAMPLE, "--steps", "3", world_size=1, launch=False, timeout=240)
     want = _steps(one.output)

@@ -173,6 +173,7 @@ def _debug_missing_rank_body() -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_debug_mode_names_the_rank_that_never_arrives() -> None:
     results = run_distributed(_debug_missing_rank_body, world_size=2, timeout=30)
     assert results[1] == "skipped"

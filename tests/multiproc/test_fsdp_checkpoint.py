@@ -155,6 +155,7 @@ def fsdp_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, 
     return root, run_distributed(_save_body, str(root), "fsdp", world_size=2, timeout=120)
 
 
+@pytest.mark.slow
 def test_save_on_2_load_on_3_matches_the_uninterrupted_step(
     fsdp_saved: tuple[pathlib.Path, list[Any]],
 ) -> None:

@@ -73,6 +73,7 @@ def test_unpicklable_exception_becomes_remote_error() -> None:
         run_distributed(_unpicklable_error, world_size=2)
 
 
+@pytest.mark.slow
 def test_hung_run_is_killed_at_the_timeout() -> None:
     start = time.monotonic()
     with pytest.raises(accel.CollectiveTimeoutError, match=r"ranks \[0, 1\] never finished"):

@@ -56,7 +56,9 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any], atol: float = 1e-5) 
     torch.testing.assert_close(got["predictions"], want["predictions"], atol=atol, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize(
+    "mesh", [m if m == "tp2xfsdp2" else pytest.param(m, marks=pytest.mark.slow) for m in MESHES]
+)
 def test_mlp_on_a_mesh_equals_one_process(mesh: str) -> None:
     out = run_distributed(mm.train, "mlp", world_size=4, timeout=240, **MESHES[mesh])
     _assert_same(out[0], _one_process("mlp"))
@@ -76,6 +78,7 @@ def test_tensor_parallel_on_two_processes_equals_one_process() -> None:
     assert [o["dp"] for o in out] == [(0, 1), (0, 1)]
 
 
+@pytest.mark.slow
 def test_accumulation_and_activation_checkpointing_on_tp_x_fsdp() -> None:
     want = _one_process("mlp", steps=4, gas=2)
     out = run_distributed(
@@ -87,10 +90,8 @@ def test_accumulation_and_activation_checkpointing_on_tp_x_fsdp() -> None:
 
 
 @HF
-@pytest.mark.parametrize(
-    "mesh", ["tp2xfsdp2", pytest.param("tp4", marks=pytest.mark.slow),
-             pytest.param("tp2xreplicate2", marks=pytest.mark.slow)],
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["tp2xfsdp2", "tp4", "tp2xreplicate2"])
 def test_llama_with_its_own_plan_equals_one_process(mesh: str) -> None:
     out = run_distributed(mm.train, "llama", world_size=4, timeout=300, **MESHES[mesh])
     _assert_same(out[0], _one_process("llama"))
@@ -120,8 +121,10 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("world", "sizes"),
-    [(1, {}), (4, {"dp_shard_size": 4}), (4, MESHES["hsdp2x2"]), (4, MESHES["tp4"]),
-     (2, {"tp_size": 2}), (4, MESHES["tp2xfsdp2"])],
+    [pytest.param(1, {}, marks=pytest.mark.slow), (4, {"dp_shard_size": 4}),
+     pytest.param(4, MESHES["hsdp2x2"], marks=pytest.mark.slow),
+     pytest.param(4, MESHES["tp4"], marks=pytest.mark.slow), (2, {"tp_size": 2}),
+     pytest.param(4, MESHES["tp2xfsdp2"], marks=pytest.mark.slow)],
     ids=["plain-1", "fsdp4", "hsdp2x2", "tp4", "tp2", "tp2xfsdp2"],
 )
 def test_tp_x_fsdp_checkpoint_resumes_on_any_mesh(
@@ -158,6 +161,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(mesh: str) -> None:
     assert out == [{"skipped": True, "changed": False}] * 4
 
 
+@pytest.mark.slow
 def test_mixed_precision_on_tp_x_fsdp_trains_close_to_one_process() -> None:
     want = _one_process_mixed("bf16")
     out = run_distributed(mm.train, "mlp", world_size=4, timeout=240, mixed_precision="bf16",
@@ -213,7 +217,7 @@ def test_regional_compile_on_tp_x_fsdp_equals_one_process() -> None:
     _assert_same(out[0], _one_process("mlp"))
 
 
-@pytest.mark.parametrize("mesh", ["tp2", "tp2xfsdp2"])
+@pytest.mark.parametrize("mesh", ["tp2", pytest.param("tp2xfsdp2", marks=pytest.mark.slow)])
 def test_a_foreach_optimizer_steps_plain_and_dtensor_parameters_together(mesh: str) -> None:
     """Without FSDP the head stays a plain tensor beside the TP blocks' DTensors: torch's
     foreach step refuses that mix unless the plain ones count as replicated."""
@@ -235,6 +239,7 @@ def test_a_tp_group_sees_the_same_batches_and_metrics_count_each_sample_once(
         assert result["all"] == [float(i) for i in range(11)]  # every sample once, in order
 
 
+@pytest.mark.slow
 @HF
 def test_prepare_splits_a_transformers_model_by_its_own_plan() -> None:
     """accel.prepare(model, optimizer, loader) under tp_size=2: no tp_plan given, the Llama is

@@ -229,6 +229,7 @@ def _second_signal(tmp_path: Path, name: str, gap: float) -> tuple[int, str]:
     return done.exit_codes[0], done.stdout[0] + done.stderr[0]
 
 
+@pytest.mark.slow
 def test_second_sigterm_ends_the_process(tmp_path: Path) -> None:
     code, output = _second_signal(tmp_path, "SIGTERM", 2.3)
     assert code == -signal.SIGTERM, output
@@ -236,6 +237,7 @@ def test_second_sigterm_ends_the_process(tmp_path: Path) -> None:
     assert "survived" not in output
 
 
+@pytest.mark.slow
 def test_second_sigint_raises_keyboard_interrupt(tmp_path: Path) -> None:
     code, output = _second_signal(tmp_path, "SIGINT", 2.3)
     assert code == -signal.SIGINT, output  # Python's exit for an uncaught one

@@ -198,6 +198,7 @@ def test_the_failing_ranks_traceback_is_raised(tmp_path: Path) -> None:
     assert "ValueError: corrupt shard on rank 1" in result.stderr[1]
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_killed_at_the_timeout(tmp_path: Path) -> None:
     script = _write(tmp_path, (
         "import os, sys, time\n"

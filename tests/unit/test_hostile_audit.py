@@ -217,6 +217,7 @@ def _bounded(cases: dict[str, tuple[str, str]], timeout: float = 120) -> dict[st
     return results
 
 
+@pytest.mark.slow
 def test_torch_pickles_that_would_build_gigabytes_are_refused_before_torch_reads_them(
     tmp_path: Path,
 ) -> None:

@@ -146,6 +146,7 @@ def _fifo(path: Path) -> None:
     os.mkfifo(path)
 
 
+@pytest.mark.slow
 def test_fifo_entries_are_refused_without_blocking(tmp_path: Path) -> None:
     cases: dict[str, tuple[str, str]] = {}
     for name in ("model.json", "model.safetensors", "rng_rank0.json", "manifest.json"):
@@ -173,6 +174,7 @@ def test_fifo_entries_are_refused_without_blocking(tmp_path: Path) -> None:
     assert not (fifo_root / "checkpoint_0").exists()  # rotation still removes intact old ones
 
 
+@pytest.mark.slow
 def test_entries_linked_to_dev_zero_are_refused_without_reading(tmp_path: Path) -> None:
     if not os.path.exists("/dev/zero"):
         pytest.skip("no /dev/zero")

@@ -223,6 +223,7 @@ def test_the_check_reads_only_the_directory_and_data_pkl(tmp_path: Path) -> None
     assert counting.read_bytes < 64 << 10
 
 
+@pytest.mark.slow
 def test_a_fifo_is_refused_without_waiting(tmp_path: Path) -> None:
     fifo = tmp_path / "weights.pt"
     os.mkfifo(fifo)
@@ -303,6 +304,7 @@ _BOUNDED_LOAD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
 def test_a_zip_bomb_is_refused_before_anything_is_inflated(tmp_path: Path) -> None:
     path = tmp_path / "bomb.pt"

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import accel
 import accel.errors
 
@@ -40,6 +42,7 @@ def test_the_top_level_offers_the_errors_scripts_catch() -> None:
     assert accel.errors.DeviceMapError.__module__ == "accel.errors"
 
 
+@pytest.mark.slow
 def test_every_subpackage_is_a_lazy_attribute() -> None:
     packages = {
         path.parent.name for path in PACKAGE.glob("*/__init__.py")
