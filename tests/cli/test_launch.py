@@ -46,7 +46,7 @@ def test_two_cpu_processes_train_with_options(tmp_path: Path) -> None:
         assert r["argv"] == ["--epochs", "1"]
         assert r["omp"] is not None
         assert int(r["omp"]) >= 1
-    assert ranks[0]["weights"] == ranks[1]["weights"]  # DDP kept them in sync
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # the averaged gradients kept them in sync
 
 
 @pytest.mark.slow
