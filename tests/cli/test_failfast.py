@@ -47,9 +47,11 @@ with accel.distributed() as st:
     print(f"FINISHED rank {{st.rank}} attempt {{attempt}}", flush=True)
 '''
 
-# Launch bounds: one attempt takes ~3-5 s on a 2-core machine (two interpreters importing torch).
-FAIL_BOUND_S = 15
-RESTART_BOUND_S = 30
+# Launch bounds: one attempt takes ~3-7 s on a 2-core machine (two interpreters importing
+# torch), more with another test file running beside it (`pytest -n 2`); a job that waited
+# for the collective timeout instead of ending would take 30 minutes.
+FAIL_BOUND_S = 45
+RESTART_BOUND_S = 90
 
 
 def _launch(tmp_path: Path, raise_on: tuple[int, ...], *options: str, bound: float) -> str:
