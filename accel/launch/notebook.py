@@ -36,6 +36,7 @@ __all__ = ["debug_launcher", "notebook_launcher"]
 # How long a worker whose error is a lost peer waits before it ends (see _run_in_worker).
 _PEER_LOSS_LINGER_S = 2.0
 
+
 def _attempt() -> int:
     """Which attempt of the job this worker belongs to (0, then 1 after a restart, ...)."""
     # the elastic agent numbers the attempts for its workers in this variable
