@@ -16,8 +16,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, overload
 import torch
 import torch.distributed as dist
 
-from accel._state import current_gate, state
-from accel.collectives import gather
+from accel.comm.collectives import gather
+from accel.core.state import current_gate, state
 from accel.errors import (
     ArgumentTypeError,
     ConfigError,

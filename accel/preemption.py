@@ -20,15 +20,14 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from accel._state import ScopeSlot, current_gate, has_active_state, state
+from accel.core.state import ScopeSlot, at_block_exit, current_gate, has_active_state, state
 from accel.errors import GatedCollectiveError, NotDistributedError
 
 __all__ = ["stop_requested"]
@@ -237,30 +236,17 @@ def stop_requested() -> bool:
             )
         watch = _Watch(world_size)
         _WATCH.set(watch)
+        at_block_exit(_finish)
     return watch.poll()
 
 
-@contextmanager
-def stop_watch_scope() -> Iterator[None]:
-    """Used by ``distributed()``: at the end of the block, settle :func:`stop_requested`.
+def _finish(failed: bool) -> None:
+    """The block's exit step: settle the watch (see :func:`stop_requested`).
 
     On a clean exit the all-reduce still in flight is waited for (before the process group is
     destroyed); when an exception leaves the block nothing is waited for. Either way the signal
     handlers that were there before are restored.
-
-    Example:
-        >>> with set_state(current, Scope()), stop_watch_scope():
-        ...     yield current
     """
-    try:
-        yield
-    except BaseException:
-        _finish(failed=True)
-        raise
-    _finish(failed=False)
-
-
-def _finish(*, failed: bool) -> None:
     watch = _WATCH.pop()
     if watch is not None:
         watch.finish(failed=failed)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity
 
-from accel._state import state
+from accel.core.state import state
 from accel.errors import ConfigError
 
 __all__ = ["profile", "trace_path"]

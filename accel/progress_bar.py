@@ -7,7 +7,7 @@ import importlib.util
 from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
-from accel._state import state
+from accel.core.state import state
 from accel.errors import ArgumentTypeError
 
 __all__ = ["PlainProgress", "progress"]

@@ -218,7 +218,7 @@ def main() -> None:
     shutil.rmtree(root, ignore_errors=True)
     med = {k: _median(v) for k, v in times.items() if v}
     best = {k: round(min(v), 4) for k, v in times.items() if v}
-    from accel.checkpoint import _crc
+    from accel._files import crc as _crc
 
     report: dict[str, Any] = {
         "bytes": nbytes, "gb": round(nbytes / 1e9, 3), "repeat": args.repeat,

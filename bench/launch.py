@@ -1,7 +1,7 @@
 """Wall time from command start to the first training step: `accel launch` vs `torchrun`; JSON.
 
 The same script (2 CPU processes by default, gloo, a tiny model) is started alternately by
-``python -m accel.launch --nproc-per-node N`` and ``python -m torch.distributed.run
+``python -m accel.cli --nproc-per-node N`` and ``python -m torch.distributed.run
 --standalone --nproc-per-node N`` (so machine drift hits both). Each worker prints the wall
 clock when its first optimizer step is done; the time counted is from just before the command
 starts to the latest rank's first step. Reports medians; the goal is
@@ -42,7 +42,7 @@ with accel.distributed():
 
 def _command(kind: str, nproc: int, script: str) -> list[str]:
     if kind == "accel":
-        return [sys.executable, "-m", "accel.launch", "--nproc-per-node", str(nproc), script]
+        return [sys.executable, "-m", "accel.cli", "--nproc-per-node", str(nproc), script]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(nproc), script]
 

@@ -4,7 +4,7 @@
 first optimizer step is done on both ranks) is started, in alternation so that machine drift
 hits every kind alike, by:
 
-- ``launch``: ``python -m accel.launch --nproc-per-node 2 --cpu examples/preemptible.py``, the
+- ``launch``: ``python -m accel.cli --nproc-per-node 2 --cpu examples/preemptible.py``, the
   time counted from just before the command starts to the ``step 1`` line on its stdout;
 - ``warm``: ``accel.testing.start_script`` in this process, its warm server already running
   (what every test after the first one in a session gets), from the call to the line;
@@ -51,7 +51,7 @@ if __name__ == "__main__":
 def _launch(out: str, env: dict[str, str]) -> float:
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "accel.launch", "--nproc-per-node", "2", "--cpu", str(EXAMPLE),
+        [sys.executable, "-m", "accel.cli", "--nproc-per-node", "2", "--cpu", str(EXAMPLE),
          *ARGS, "--output-dir", out], env=env, text=True, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL)
     assert proc.stdout is not None

@@ -17,17 +17,17 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
-from accel import _state
 from accel.big_model import init as _big_model_init
+from accel.core import state as _state
 from accel.errors import ConfigError
 from accel.testing import preload
 from accel.trackers import _RUN as _TRACKING_RUN
 
 # every ContextVar accel owns, with the value it holds outside any accel block
 _CONTEXT_VARS = {
-    "accel._state._STATE (the process state)": (_state._STATE, None),
-    "accel._state._SCOPE (the distributed() scope record)": (_state._SCOPE, None),
-    "accel._state._GATE (the rank gate)": (_state._GATE, None),
+    "accel.core.state._STATE (the process state)": (_state._STATE, None),
+    "accel.core.state._SCOPE (the distributed() scope record)": (_state._SCOPE, None),
+    "accel.core.state._GATE (the rank gate)": (_state._GATE, None),
     "accel.big_model.init._CURRENT (init_empty_weights)": (_big_model_init._CURRENT, None),
     "accel.trackers._RUN (the tracking run)": (_TRACKING_RUN, None),
 }

@@ -19,6 +19,7 @@ import attrs
 import torch
 from torch import nn
 
+from accel._files.values import dtype_kind
 from accel.big_model.hooks import (
     DISK,
     DISPATCH_ATTR,
@@ -30,7 +31,6 @@ from accel.big_model.hooks import (
     plan_hooks,
 )
 from accel.big_model.offload import MappedFile, TensorSource, map_sources, write_offload_file
-from accel.checkpoint._values import dtype_kind
 from accel.errors import CheckpointError, DeviceMapError
 
 __all__ = [

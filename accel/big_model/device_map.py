@@ -12,7 +12,7 @@ brought into for their forward.
 One deliberate difference: when a module is split, its direct buffers are placed too
 (Accelerate drops them, so its own ``check_device_map`` then refuses the map it made).
 
-The model's sizes and structure come from :mod:`accel.big_model._model_walk`; explicit maps
+The model's sizes and structure come from :mod:`accel.big_model.model_walk`; explicit maps
 are checked by :mod:`accel.big_model._explicit_map`.
 """
 
@@ -25,13 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel._sizes import parse_size
 from accel.big_model._explicit_map import (
     DEVICE_MAP_CHOICES,
     Placement,
     check_device_map,
 )
-from accel.big_model._model_walk import (
+from accel.big_model.model_walk import (
     DType,
     Item,
     class_names,
@@ -44,8 +43,9 @@ from accel.big_model._model_walk import (
     tied_groups,
     walk_order,
 )
+from accel.core.sizes import parse_size
 from accel.errors import ArgumentTypeError, DeviceMapError
-from accel.model_blocks import declared_blocks
+from accel.parallel.blocks import declared_blocks
 
 __all__ = ["get_balanced_memory", "infer_auto_device_map"]
 

@@ -165,7 +165,7 @@ def _execution_device(model: nn.Module, value: torch.device | str | int | None) 
         first = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
         if first is not None and first.type != "cpu":
             return first
-        from accel._state import state
+        from accel.core.state import state
 
         return state().device
     device = normalize_device(value)

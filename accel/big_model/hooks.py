@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from accel._tree import is_namedtuple
 from accel.big_model.offload import MappedFile, give_back
+from accel.core.tree import is_namedtuple
 from accel.errors import DeviceMapError
 
 __all__ = [

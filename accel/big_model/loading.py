@@ -12,15 +12,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel._files.paths import as_module, as_path
 from accel.big_model.device_map import resolve_device_map
 from accel.big_model.dispatch import dispatch_with_sources
 from accel.big_model.hooks import Placement
 from accel.big_model.offload import TensorSource, write_offload_file
-from accel.checkpoint import _stream
-from accel.checkpoint._paths import as_module, as_path
-from accel.checkpoint._weight_files import resolve_weights, weight_files
 from accel.errors import CheckpointError, DeviceMapError
-from accel.model import unwrap_model
+from accel.training.model import unwrap_model
+from accel.weights import stream as _stream
+from accel.weights.files import resolve_weights, weight_files
 
 __all__ = ["load_checkpoint_and_dispatch", "load_checkpoint_in_model"]
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import attrs
 import torch
 
-from accel.checkpoint._atomic import write_file_atomically
-from accel.checkpoint._format import _DTYPES, _NAMES, map_safetensors, write_safetensors
+from accel._files.atomic import write_file_atomically
+from accel._files.format import _DTYPES, _NAMES, map_safetensors, write_safetensors
 from accel.errors import CheckpointError
 
 __all__ = ["MappedFile", "TensorSource", "give_back", "map_sources", "write_offload_file"]

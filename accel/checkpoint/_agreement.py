@@ -19,9 +19,9 @@ from typing import Any
 import attrs
 from torch import nn
 
-from accel._failures import describe
+from accel.comm.failures import describe
 from accel.errors import CheckpointError
-from accel.model import unwrap_model
+from accel.training.model import unwrap_model
 
 __all__ = ["Call", "call_of", "settle"]
 

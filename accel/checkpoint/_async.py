@@ -25,24 +25,22 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
-from accel._failures import describe, rank_errors
-from accel._state import ScopeSlot, scope
-from accel.checkpoint._atomic import remove_dir
-from accel.checkpoint._format import FileRecord
-from accel.checkpoint._writer import PlannedFile, write_files
-from accel.collectives import begin
+from accel._files.atomic import remove_dir
+from accel._files.format import FileRecord
+from accel._files.writer import PlannedFile, write_files
+from accel.comm.collectives import begin
+from accel.comm.failures import describe, rank_errors
+from accel.core.state import ScopeSlot, at_block_exit, scope
 
 if TYPE_CHECKING:  # _saving (and the model code it needs) loads with the first save
     from accel.checkpoint._saving import SaveJob
 
-__all__ = ["finish_pending", "launch", "pending_saves", "wait_for_checkpoints"]
+__all__ = ["finish_pending", "launch", "wait_for_checkpoints"]
 
 @attrs.define(eq=False)
 class _Pending:
@@ -165,6 +163,7 @@ def launch(job: SaveJob, plan: Any) -> None:
         name="accel-checkpoint-writer", daemon=False,
     )
     _PENDING.set(pending, here)
+    at_block_exit(_settle_pending, here)
     pending.thread.start()
 
 
@@ -184,23 +183,20 @@ def finish_pending() -> None:
     finish(pending.job, pending.records, pending.error)
 
 
-@contextmanager
-def pending_saves() -> Iterator[None]:
-    """The ``distributed()`` block's hook: finish its asynchronous save at the end.
+def _settle_pending(failed: bool) -> None:
+    """The block's exit step: finish this scope's asynchronous save, if any.
 
     On a normal exit the pending save is finished (every rank; its failure is raised). When an
     exception leaves the block there is no collective (the other ranks may be gone): the
     background write is stopped, its temporary directory removed and the lock released; the
     save never becomes visible.
     """
-    try:
-        yield
-    except BaseException:
-        pending = _PENDING.pop()
-        if pending is not None:
-            _abandon(pending)
-        raise
-    finish_pending()
+    if not failed:
+        finish_pending()
+        return
+    pending = _PENDING.pop()
+    if pending is not None:
+        _abandon(pending)
 
 
 def wait_for_checkpoints() -> None:

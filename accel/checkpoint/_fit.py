@@ -2,7 +2,7 @@
 
 ``load_state`` calls :func:`check_fits` for every object first, so a checkpoint of another
 model (wrong keys or shapes) or of an optimizer over other parameters, or values of another
-type than the live object holds (:mod:`accel.checkpoint._values`), fail before any object
+type than the live object holds (:mod:`accel._files.values`), fail before any object
 changes. Objects accel knows nothing about are checked by their own ``load_state_dict``.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.checkpoint._values import PARAM_SHAPED, check_values
+from accel._files.values import PARAM_SHAPED, check_values
 from accel.errors import CheckpointError
 
 __all__ = ["check_fits"]

@@ -1,7 +1,7 @@
 """What both readers of ``load_state`` share: accel's own checkpoints and Accelerate's.
 
 :class:`CheckpointInfo` is what ``load_state`` returns; :func:`load_into` puts a saved state
-into its live object. :mod:`accel.checkpoint.state` and :mod:`accel.checkpoint._accelerate_format`
+into its live object. :mod:`accel.checkpoint.state` and :mod:`accel.checkpoint.accelerate_format`
 both import them from here, so neither imports the other's private names.
 :func:`agree_on_copy` is the one collective after which every rank knows every rank's
 verification error and that all ranks read copies of one save.
@@ -18,9 +18,9 @@ from typing import Any
 import attrs
 from torch import nn
 
-from accel._failures import label_errors
 from accel.checkpoint._saving import unwrap
-from accel.collectives import gather_object
+from accel.comm.collectives import gather_object
+from accel.comm.failures import label_errors
 from accel.errors import CheckpointError
 
 __all__ = ["CheckpointInfo", "agree_on_copy", "load_into"]

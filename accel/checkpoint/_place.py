@@ -13,8 +13,8 @@ import warnings
 from contextlib import ExitStack
 from pathlib import Path
 
-from accel.checkpoint._atomic import recover, remove_dir, temp_sibling, writer_lock
-from accel.checkpoint._layout import (
+from accel._files.atomic import recover, remove_dir, temp_sibling, writer_lock
+from accel.checkpoint.layout import (
     MANIFEST,
     foreign_entries,
     is_complete,

@@ -3,7 +3,7 @@
 * :func:`start` (every rank, one collective): each writer takes its place's lock, repairs
   leftovers, makes the hidden temporary directory; all ranks agree on its name.
 * :func:`plan_rank_files`: what this rank writes (objects on the writers, per-rank RNG and
-  mid-cycle gradients on every rank), written by :func:`~accel.checkpoint._writer.write_files`
+  mid-cycle gradients on every rank), written by :func:`~accel._files.writer.write_files`
   now (synchronous save) or from a snapshot in a background thread (``async_save=True``).
 * :func:`finish` (every rank, two collectives): every rank's file records and errors are
   gathered; each writer writes the manifest, swaps the directory into place and rotates; the
@@ -25,21 +25,22 @@ import attrs
 import torch
 from torch import nn
 
-from accel._failures import describe
-from accel._state import state
-from accel.accumulation import accumulation_step
-from accel.checkpoint import _nodes, _place
+from accel._files import nodes as _nodes
+from accel._files.atomic import remove_dir, replace_dir
+from accel._files.format import FileRecord, write_bytes
+from accel._files.writer import PlannedFile
+from accel.checkpoint import _place
 from accel.checkpoint._agreement import Call, settle
-from accel.checkpoint._atomic import remove_dir, replace_dir
-from accel.checkpoint._format import FileRecord, write_bytes
-from accel.checkpoint._layout import FORMAT, MANIFEST
-from accel.checkpoint._objects import plan_object
-from accel.checkpoint._sharded import plan_sharded
-from accel.checkpoint._ties import TIED, optimizer_names, split_ties
-from accel.checkpoint._writer import PlannedFile
-from accel.collectives import gather_object
+from accel.checkpoint.layout import FORMAT, MANIFEST
+from accel.checkpoint.objects import plan_object
+from accel.checkpoint.sharded.pieces import plan_sharded
+from accel.comm.collectives import gather_object
+from accel.comm.failures import describe
+from accel.core.state import state
 from accel.errors import AccelError, CheckpointError
-from accel.model import unwrap_model
+from accel.training.accumulation import accumulation_step
+from accel.training.model import unwrap_model
+from accel.weights.ties import TIED, optimizer_names, split_ties
 
 __all__ = ["GRADS", "SaveJob", "finish", "plan_rank_files", "start", "unwrap"]
 

@@ -14,9 +14,9 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from accel._state import state
-from accel.checkpoint._layout import read_manifest
-from accel.collectives import gather_object
+from accel.checkpoint.layout import read_manifest
+from accel.comm.collectives import gather_object
+from accel.core.state import state
 from accel.errors import CheckpointError
 
 __all__ = ["listed", "missing_objects", "screen"]

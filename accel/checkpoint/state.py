@@ -34,33 +34,34 @@ import attrs
 import torch
 from torch import nn
 
-from accel._failures import agree_on_failure, describe
-from accel._settings import cpu_count, did_you_mean
-from accel._state import has_active_state, scope, state
-from accel.accumulation import set_accumulation_step
-from accel.checkpoint import _nodes, _saving
+from accel._files import nodes as _nodes
+from accel._files.format import FileRecord
+from accel._files.paths import as_path
+from accel._files.values import check_counter, check_gradients, check_rng, check_values
+from accel._files.writer import PlannedFile, write_files
+from accel.checkpoint import _saving
 from accel.checkpoint._agreement import call_of, settle
 from accel.checkpoint._async import finish_pending, launch
 from accel.checkpoint._fit import check_fits
-from accel.checkpoint._format import FileRecord
-from accel.checkpoint._layout import (
+from accel.checkpoint._loading import CheckpointInfo, agree_on_copy, load_into
+from accel.checkpoint._saving import GRADS, unwrap
+from accel.checkpoint._screening import listed, missing_objects, screen
+from accel.checkpoint.layout import (
     candidates,
     check_step,
     latest_checkpoint,
     read_manifest,
 )
-from accel.checkpoint._loading import CheckpointInfo, agree_on_copy, load_into
-from accel.checkpoint._objects import read_object
-from accel.checkpoint._paths import as_path
-from accel.checkpoint._reshard import resolve
-from accel.checkpoint._saving import GRADS, unwrap
-from accel.checkpoint._screening import listed, missing_objects, screen
-from accel.checkpoint._sharded import check_layout
-from accel.checkpoint._values import check_counter, check_gradients, check_rng, check_values
-from accel.checkpoint._writer import PlannedFile, write_files
+from accel.checkpoint.objects import read_object
 from accel.checkpoint.rng import get_rng_state, set_rng_state
-from accel.collectives import begin, gather_object
+from accel.checkpoint.sharded.pieces import check_layout
+from accel.checkpoint.sharded.reshard import resolve
+from accel.comm.collectives import begin, gather_object
+from accel.comm.failures import agree_on_failure, describe
+from accel.core.settings import cpu_count, did_you_mean
+from accel.core.state import has_active_state, scope, state
 from accel.errors import AccelError, CheckpointArgumentError, CheckpointError
+from accel.training.accumulation import set_accumulation_step
 
 __all__ = ["latest_checkpoint", "load_state", "save_state"]
 
@@ -405,7 +406,7 @@ def load_state(
     finish_pending()  # an asynchronous save completes (or fails) before anything is read
     names, explicit = _agreed_candidates(directory, objects, missing_ok, on_each_node)
     if not names or not explicit:  # perhaps written by HuggingFace Accelerate's save_state
-        from accel.checkpoint import _accelerate_format as hf
+        from accel.checkpoint import accelerate_format as hf
 
         loaded = hf.load_accelerate_state(Path(directory), names, objects)  # every rank
         if loaded is not None:

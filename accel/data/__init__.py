@@ -15,9 +15,9 @@ rank must prepare the loader, as with every ``prepare_*``). Samplers, batch samp
 datasets with ``set_epoch`` are told the epoch. A new iteration starts a new epoch;
 ``set_epoch(e)`` chooses it.
 
-While iterating, the loader is registered in ``accel._state.scope().active_loaders`` (innermost
+While iterating, the loader is registered in ``accel.core.state.scope().active_loaders`` (innermost
 last) and keeps ``end_of_dataloader`` (the batch just yielded is the last),
-``final_round`` (:class:`~accel.data._rounds.FinalRound` of the last round, on the last batch) and
+``final_round`` (:class:`~accel.comm.metrics.FinalRound` of the last round, on the last batch) and
 ``remainder`` (real samples in the final global batch, ``-1`` when unknown) up to date, for
 :func:`accel.gather_for_metrics`.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from accel._state import state
+from accel.core.state import state
 from accel.data._dispatch_mode import dispatch_map, dispatch_stream
 from accel.data._epoch_seeds import worker_seeds
 from accel.data._loader import LoaderMode, Plan, PreparedDataLoader, loader_options

@@ -12,7 +12,7 @@ applies it per epoch inside the loaders of :mod:`accel.data`. The rules are Acce
   rank gets the same number of batches of the same size;
 - ``drop_last`` drops the last round when it is not complete.
 
-Every generator reports the last round as a :class:`~accel.data._rounds.FinalRound` so that
+Every generator reports the last round as a :class:`~accel.comm.metrics.FinalRound` so that
 ``gather_for_metrics`` can drop exactly the padding.
 """
 
@@ -24,8 +24,9 @@ from typing import Any
 import attrs
 from torch.utils.data import BatchSampler, Sampler
 
+from accel.comm.metrics import FinalRound
 from accel.data._epoch_seeds import Reseeder
-from accel.data._rounds import FinalRound, Recorder, grow, skip_first, split_counts
+from accel.data._rounds import Recorder, grow, skip_first, split_counts
 from accel.errors import ConfigError
 
 __all__ = ["ShardSpec", "ShardedBatchSampler"]

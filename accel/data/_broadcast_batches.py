@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from accel._tree import first_non_tensor, map_tensors, tensor_leaves, zip_map_tensors
-from accel.data._rounds import FinalRound, dispatch_slice_size, split_counts
+from accel.comm.metrics import FinalRound
+from accel.core.tree import first_non_tensor, map_tensors, tensor_leaves, zip_map_tensors
+from accel.data._rounds import dispatch_slice_size, split_counts
 from accel.errors import ConfigError, RemoteError
 
 __all__ = ["concat_rounds", "dispatch_rounds"]
@@ -122,7 +123,7 @@ def dispatch_rounds(
         >>> for piece in dispatch_rounds(rounds, rank=r, world_size=2, device=dev,
         ...                              resume=False, record=print): ...
     """
-    from accel.collectives import broadcast, broadcast_object
+    from accel.comm.collectives import broadcast, broadcast_object
 
     current: Any = _END
     upcoming: Any = _END

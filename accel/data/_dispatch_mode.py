@@ -15,12 +15,12 @@ import attrs
 import torch
 from torch.utils.data import DataLoader
 
-from accel._state import state
+from accel.comm.metrics import FinalRound
+from accel.core.state import state
 from accel.data._batch_sampler import ShardedBatchSampler
 from accel.data._broadcast_batches import concat_rounds, dispatch_rounds
 from accel.data._epoch_seeds import Reseeder, WorkerSeeds
 from accel.data._loader_state import shuffle_reseeder
-from accel.data._rounds import FinalRound
 from accel.data._shard_mode import sharded_sampler
 from accel.data._stream_mode import stream_shard
 from accel.data._stream_shard import StreamShard

@@ -14,7 +14,7 @@ import attrs
 import torch
 from torch.utils.data import DataLoader
 
-from accel._state import state
+from accel.core.state import state
 
 __all__ = [
     "Reseeder", "WorkerSeeds", "epoch_seed", "seeded_copy", "stream_reseeder", "worker_seeds",
@@ -61,7 +61,7 @@ def epoch_seed(own: object, *, shared: bool) -> int:
     else:
         seed = int(torch.empty((), dtype=torch.int64).random_().item())
     if shared and st.world_size > 1:
-        from accel.collectives import broadcast_object
+        from accel.comm.collectives import broadcast_object
 
         seed = int(broadcast_object(seed))
     return seed

@@ -8,7 +8,7 @@ date. What differs between modes sits in a :class:`LoaderMode`, chosen once by
 sharded batch sampler), :class:`~accel.data._stream_mode.StreamMode` (iterable datasets read by
 every rank) and :class:`~accel.data._dispatch_mode.DispatchMode` (rank 0 reads, broadcasts).
 
-While iterating, the loader is registered in ``accel._state.scope().active_loaders``
+While iterating, the loader is registered in ``accel.core.state.scope().active_loaders``
 (innermost last) for :func:`accel.gather_for_metrics` and ``accel.accumulate``.
 """
 
@@ -22,11 +22,11 @@ import attrs
 import torch
 from torch.utils.data import DataLoader
 
-from accel._state import scope
-from accel._tree import map_tensors
+from accel.comm.metrics import FinalRound
+from accel.core.state import scope
+from accel.core.tree import map_tensors
 from accel.data._epoch_seeds import Reseeder, WorkerSeeds
 from accel.data._loader_state import loader_state, read_loader_state
-from accel.data._rounds import FinalRound
 
 __all__ = ["LoaderMode", "Plan", "PreparedDataLoader", "loader_options"]
 

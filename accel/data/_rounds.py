@@ -2,9 +2,10 @@
 
 A sharded epoch ends with a round that may be incomplete; every generator of
 :mod:`accel.data._batch_sampler` and :mod:`accel.data._stream_shard` reports it as a
-:class:`FinalRound` so that ``gather_for_metrics`` can drop exactly the padding. ``grow``
-repeats the first round to pad a tiny dataset; ``skip_first`` skips the batches a resumed epoch
-already yielded; ``dispatch_slice_size`` is the padded slice of a dispatched last batch.
+:class:`~accel.comm.metrics.FinalRound` so that ``gather_for_metrics`` can drop exactly the
+padding. ``grow`` repeats the first round to pad a tiny dataset; ``skip_first`` skips the
+batches a resumed epoch already yielded; ``dispatch_slice_size`` is the padded slice of a
+dispatched last batch.
 """
 
 from __future__ import annotations
@@ -12,12 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-import attrs
-
+from accel.comm.metrics import FinalRound
 from accel.errors import ConfigError
 
 __all__ = [
-    "FinalRound", "Recorder", "dispatch_slice_size", "grow", "skip_first", "split_counts",
+    "Recorder", "dispatch_slice_size", "grow", "skip_first", "split_counts",
 ]
 
 T = TypeVar("T")
@@ -32,48 +32,6 @@ def split_counts(real: int, per_rank: int, world_size: int) -> tuple[int, ...]:
         (2, 2, 1, 0)
     """
     return tuple(min(per_rank, max(0, real - rank * per_rank)) for rank in range(world_size))
-
-
-@attrs.frozen
-class FinalRound:
-    """The last round of an epoch: each rank's batch size and how many of its samples are real.
-
-    Real samples always come first in a rank's batch; the rest is padding (samples repeated
-    from the start of the epoch). Concatenating each rank's real samples in rank order gives
-    the last samples of the epoch in order.
-
-    Example:
-        >>> FinalRound(sizes=(3, 3), real=(3, 0)).remainder
-        3
-    """
-
-    sizes: tuple[int, ...]
-    real: tuple[int, ...]
-
-    @property
-    def remainder(self) -> int:
-        """Real samples in the final global batch (all ranks together)."""
-        return sum(self.real)
-
-    @property
-    def padded(self) -> bool:
-        """True when some rank's final batch holds padding."""
-        return self.sizes != self.real
-
-    @property
-    def ragged(self) -> bool:
-        """True when the ranks' final batches differ in size (gathering needs padding)."""
-        return len(set(self.sizes)) > 1
-
-    @property
-    def is_prefix(self) -> bool:
-        """True when the real samples are a prefix of the gathered final batch."""
-        seen_short = False
-        for size, real in zip(self.sizes, self.real, strict=True):
-            if seen_short and real:
-                return False
-            seen_short = seen_short or real < size
-        return not self.ragged
 
 
 def skip_first(items: Iterable[T], count: int, *, keep: int = 0) -> Iterator[T]:

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from torch.utils.data import BatchSampler, DataLoader
 
-from accel._state import scope
+from accel.comm.metrics import FinalRound
+from accel.core.state import scope
 from accel.data._batch_sampler import ShardedBatchSampler, ShardSpec
 from accel.data._epoch_seeds import Reseeder, seeded_copy
 from accel.data._loader_state import shuffle_reseeder
-from accel.data._rounds import FinalRound
 from accel.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from torch.utils.data import DataLoader
 
+from accel.comm.metrics import FinalRound
 from accel.data._epoch_seeds import Reseeder, stream_reseeder
 from accel.data._loader_state import shuffle_reseeder
-from accel.data._rounds import FinalRound
 from accel.data._stream_shard import StreamShard
 
 if TYPE_CHECKING:

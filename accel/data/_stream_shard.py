@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 
 from torch.utils.data import IterableDataset
 
+from accel.comm.metrics import FinalRound
 from accel.data._epoch_seeds import Reseeder
-from accel.data._rounds import FinalRound, Recorder, grow, split_counts
+from accel.data._rounds import Recorder, grow, split_counts
 
 __all__ = ["StreamShard", "shard_stream", "stream_final_round"]
 

@@ -4,9 +4,9 @@ Settings come from four layers, highest first: the command line, the ``ACCEL_*``
 the config file, then defaults. :func:`resolve_settings` merges the layers and remembers where
 each value came from (what ``accel env`` shows).
 
-The keys, kinds and checks are in :mod:`accel._settings`; reading the file is in
-:mod:`accel._config_file`, and writing it (below ``accel.distributed()``, which reads it too);
-the questionnaire in :mod:`accel.launch.questionnaire`.
+The keys, kinds and checks are in :mod:`accel.core.settings`; reading the file is in
+:mod:`accel.core.config_file`, and writing it (below ``accel.distributed()``, which reads it too);
+the questionnaire in :mod:`accel.cli.questionnaire`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Literal
 
 import attrs
 
-from accel._config_file import check_consistency
-from accel._env import LaunchEnv
-from accel._settings import POLICY_KEYS, SETTINGS, validate_setting
+from accel.core.config_file import check_consistency
+from accel.core.env import LaunchEnv
+from accel.core.settings import POLICY_KEYS, SETTINGS, validate_setting
 
 __all__ = ["Resolved", "Source", "default_settings", "resolve_settings"]
 
@@ -54,7 +54,7 @@ def resolve_settings(
     Args:
         command_line: settings given as options (``None`` values are ignored).
         env: the launch environment; its ``ACCEL_*`` options form the environment layer.
-        file: the config file's settings (from :func:`accel._config_file.load_config`).
+        file: the config file's settings (from :func:`accel.core.config_file.load_config`).
 
     Returns:
         Every key of :data:`SETTINGS` with its value and the layer it came from.

@@ -19,8 +19,8 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from accel._env import environ_snapshot, read_launch_env, read_variable
-from accel._settings import (
+from accel.core.env import environ_snapshot, read_launch_env, read_variable
+from accel.core.settings import (
     DEFAULT_CPU_PROCESSES,
     DEFAULT_PORT,
     MIXED_PRECISION_MODES,

@@ -22,11 +22,12 @@ from typing import Any
 
 import attrs
 
-from accel._config_file import config_path, load_config
-from accel._env import ENV_PREFIX, LaunchEnv, read_launch_env, read_variable
-from accel._settings import (
+from accel.core.config_file import config_path, load_config
+from accel.core.env import LaunchEnv, read_launch_env, read_variable
+from accel.core.settings import (
     DEFAULT_CPU_PROCESSES,
     DEFAULT_PORT,
+    ENV_PREFIX,
     MIXED_PRECISION_MODES,
     POLICY_KEYS,
     STRATEGIES,
@@ -49,7 +50,6 @@ __all__ = [
 ]
 
 WORKER_MODULE = "accel.launch.worker"
-DEFAULT_MULTI_NODE_PORT = DEFAULT_PORT
 CPU_DEFAULT_PROCESSES = DEFAULT_CPU_PROCESSES
 DEFAULT_STOP_GRACE_S = 60.0
 
@@ -76,7 +76,7 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--master-port", "--master_port", "--main-process-port",
                        "--main_process_port", type=int, metavar="P",
                        help="port on machine 0 (default: a free port on one machine, else "
-                            f"{DEFAULT_MULTI_NODE_PORT})")
+                            f"{DEFAULT_PORT})")
     where.add_argument("--rdzv-backend", "--rdzv_backend", metavar="B",
                        help="torchrun rendezvous backend (e.g. c10d) for elastic jobs")
     where.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT",
@@ -296,7 +296,7 @@ def _rendezvous_args(
             "drop it to use --master-addr/--master-port."
         )
     args = ["--node-rank", str(value["machine_rank"]), "--master-addr", str(addr),
-            "--master-port", str(port if port is not None else DEFAULT_MULTI_NODE_PORT)]
+            "--master-port", str(port if port is not None else DEFAULT_PORT)]
     return args, ns.rdzv_backend not in (None, "static")
 
 

@@ -1,6 +1,6 @@
 """The entry point ``accel launch`` runs in every worker: the user's script, failures recorded.
 
-``python -m accel.launch.worker script.py [args]`` (or ``-m module [args]``) runs the script
+``python -m accel.cli.worker script.py [args]`` (or ``-m module [args]``) runs the script
 as ``__main__`` exactly like ``python script.py`` would. When it raises, the traceback (trimmed
 to the user's frames) is printed as usual *and* written to torch elastic's per-worker error file
 (``$TORCHELASTIC_ERROR_FILE``), so the launcher can report it instead of ``error_file: <N/A>``.
@@ -42,9 +42,9 @@ def _user_frames(tb: TracebackType | None, filename: str | None) -> TracebackTyp
 
 def _record(error: BaseException, text: str) -> None:
     """Write torch elastic's error file for this worker (no-op outside a torchrun job)."""
-    # The variable torch elastic sets for exactly this purpose; accel._env (the one reader of
+    # The variable torch elastic sets for exactly this purpose; accel.core.env (the one reader of
     # the environment) is imported only here, on failure, so the worker starts fast.
-    from accel._env import read_variable
+    from accel.core.env import read_variable
 
     path = read_variable("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print("usage: python -m accel.launch.worker (script.py | -m module) [args ...]")
+        print("usage: python -m accel.cli.worker (script.py | -m module) [args ...]")
         raise SystemExit(0 if args else 2)
     filename: str | None = None
     try:

@@ -13,7 +13,7 @@ Where things live:
   ``prepare_model``'s ``**strategy_options`` (which win), checked by :func:`fsdp_options`;
 - the device mesh: in this module's ``_MESHES`` scope slot, made once per scope and device type;
 - which parameters sharding replaced: marked on each replaced (old) parameter by
-  ``accel.parallel._fsdp_params`` (which also checks and remaps optimizers, at prepare time only).
+  ``accel.parallel.fsdp_params`` (which also checks and remaps optimizers, at prepare time only).
 """
 
 from __future__ import annotations
@@ -26,18 +26,17 @@ import attrs
 import torch
 from torch import nn
 
-from accel._settings import did_you_mean
-from accel._state import ProcessState, ScopeSlot, state
+from accel.core.settings import FSDP_KEYS, did_you_mean
+from accel.core.state import ProcessState, ScopeSlot, state
 from accel.errors import ConfigError
-from accel.model_blocks import declared_blocks
-from accel.parallel._fsdp_params import mark_replaced
-from accel.precision import autocast_dtype
+from accel.parallel.blocks import declared_blocks
+from accel.parallel.fsdp_params import mark_replaced
+from accel.precision.casting import autocast_dtype
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "FSDP_OPTIONS",
     "FSDPOptions",
     "default_shard_modules",
     "fsdp_options",
@@ -47,8 +46,6 @@ __all__ = [
     "shard_targets",
 ]
 
-FSDP_OPTIONS = ("shard_modules", "reshard_after_forward", "cpu_offload")
-"""The strategy options of ``strategy="fsdp"``."""
 
 _MESHES: ScopeSlot[dict[tuple[str, int], DeviceMesh]] = ScopeSlot(
     "accel.parallel.fsdp device meshes"
@@ -135,15 +132,15 @@ def fsdp_options(run_options: Mapping[str, Any], given: Mapping[str, Any]) -> FS
         True
     """
     for key in given:
-        if key not in FSDP_OPTIONS:
+        if key not in FSDP_KEYS:
             raise ConfigError(
                 f"accel.prepare_model: unknown FSDP option {key!r}"
-                f"{did_you_mean(key, FSDP_OPTIONS)} (strategy='fsdp'); the "
-                f"known ones are {list(FSDP_OPTIONS)}. Remove or rename it, e.g. "
+                f"{did_you_mean(key, FSDP_KEYS)} (strategy='fsdp'); the "
+                f"known ones are {list(FSDP_KEYS)}. Remove or rename it, e.g. "
                 "`accel.prepare_model(model, strategy='fsdp', reshard_after_forward=False)`."
             )
     merged: dict[str, Any] = {}
-    for key in FSDP_OPTIONS:
+    for key in FSDP_KEYS:
         if key in given:
             merged[key] = (given[key], "accel.prepare_model")
         elif key in run_options:
@@ -161,7 +158,7 @@ def default_shard_modules(model: nn.Module) -> list[nn.Module]:
     """The default blocks to shard: the model's declared blocks, else its largest container's.
 
     A model that declares its blocks (transformers' ``_no_split_modules``, see
-    :func:`accel.model_blocks.declared_blocks`) has every module of those classes sharded.
+    :func:`accel.parallel.blocks.declared_blocks`) has every module of those classes sharded.
     Otherwise the blocks are the children of the largest ``ModuleList``/``Sequential``:
     "largest" counts parameters (the first one found wins a tie); blocks without parameters
     are left to their parent. A model with no such container (or whose containers hold no
@@ -272,7 +269,7 @@ def is_fsdp_module(module: object) -> bool:
 
 def _mesh(st: ProcessState) -> DeviceMesh:
     if st.mesh is not None:  # the block's N-D mesh: shard over its data-parallel dims
-        from accel.parallel.mesh import dp_mesh
+        from accel.core.mesh import dp_mesh
 
         return dp_mesh(st.mesh)
     meshes = _MESHES.get_or_create(dict)
@@ -293,7 +290,7 @@ def _upcast_trainable(model: nn.Module) -> None:
             param.data = param.data.float()
             upcast.append(name)
     if upcast and state().is_main_process:
-        from accel.gating import get_logger
+        from accel.comm.gating import get_logger
 
         get_logger(__name__, main_process_only=False).info(
             "FSDP with mixed precision keeps fp32 master weights: %d trainable parameters were "
@@ -322,7 +319,7 @@ def describe_blocks(model: nn.Module, targets: list[nn.Module], chosen_by_user: 
 
 def _note_blocks(model: nn.Module, targets: list[nn.Module], options: FSDPOptions) -> None:
     if state().is_main_process:
-        from accel.gating import get_logger
+        from accel.comm.gating import get_logger
 
         get_logger(__name__, main_process_only=False).info(
             "%s", describe_blocks(model, targets, options.shard_modules is not None)
@@ -333,7 +330,7 @@ def _note_one_process() -> None:
     if _ONE_PROCESS_SAID.is_set():
         return
     _ONE_PROCESS_SAID.set()
-    from accel.gating import get_logger
+    from accel.comm.gating import get_logger
 
     get_logger(__name__, main_process_only=False).info(
         "strategy='fsdp' with one process: the model is not sharded (there is nothing to shard "

@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 
-from accel._state import state
+from accel.core.state import state
 from accel.errors import (
     ConfigError,
     LogValueError,

@@ -16,7 +16,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from accel._env import read_variable
+from accel.core.env import read_variable
 from accel.trackers.base import LogValue, RunInfo
 
 __all__ = ["WandbTracker", "start"]

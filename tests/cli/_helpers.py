@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from accel.launch.cli import main as accel_main
-from accel.launch.cli import module_main
+from accel.cli.main import main as accel_main
+from accel.cli.main import module_main
 
 # A tiny data-parallel training run: every rank prints one RESULT line (JSON) with what it
 # saw. The gradients are averaged over the ranks by hand: DistributedDataParallel and
@@ -78,8 +78,8 @@ def clean_env_changes(tmp_path: Path, **extra: str) -> dict[str, str | None]:
 
 
 def accel_command(*args: str) -> list[str]:
-    """`accel ARGS` as a command line (through `python -m accel.launch`)."""
-    return [sys.executable, "-m", "accel.launch", *args]
+    """`accel ARGS` as a command line (through `python -m accel.cli`)."""
+    return [sys.executable, "-m", "accel.cli", *args]
 
 
 def run_accel(
@@ -110,7 +110,7 @@ def call_accel(
 ) -> subprocess.CompletedProcess[str]:
     """`accel ARGS` in this process (the command's entry point), as `run_accel` runs it.
 
-    ``module=True``: `python -m accel.launch ARGS`'s entry point (the subcommand optional).
+    ``module=True``: `python -m accel.cli ARGS`'s entry point (the subcommand optional).
     For commands that only parse, plan or read files: no interpreter start. The working
     directory, the environment (`clean_env`) and stdin are those of the run only;
     ``stdout`` holds stdout and stderr together (as `run_accel` gives them), ``stderr``

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 import accel
-from accel.launch.cli import main
+from accel.cli.main import main
 from accel.testing import run_distributed
 from tests.tied_models import loss_of, tokens, toy
 

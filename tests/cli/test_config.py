@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from accel._config_file import (
+from accel.cli.questionnaire import ask_config
+from accel.core.config_file import (
     config_path,
     default_config_path,
     dump_config,
@@ -16,11 +17,10 @@ from accel._config_file import (
     parse_config,
     write_config,
 )
-from accel._env import LaunchEnv
-from accel._settings import SETTINGS, validate_setting
+from accel.core.env import LaunchEnv
+from accel.core.settings import SETTINGS, validate_setting
 from accel.errors import AbortedError, ConfigError
 from accel.launch.config import Resolved, default_settings, resolve_settings
-from accel.launch.questionnaire import ask_config
 
 
 @pytest.mark.parametrize(
@@ -209,8 +209,8 @@ def test_questionnaire_does_not_offer_fp8() -> None:
 
 
 def test_env_info_says_that_fp8_runs_as_bf16() -> None:
-    from accel._settings import FP8_NOTE
-    from accel.launch.envinfo import collect_env_info, format_env_info
+    from accel.cli.envinfo import collect_env_info, format_env_info
+    from accel.core.settings import FP8_NOTE
 
     fp8 = collect_env_info(resolve_settings({"mixed_precision": "fp8"}, LaunchEnv(), {}),
                            Path("cfg.toml"), "--config-file")

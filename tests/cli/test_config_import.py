@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from accel._config_file import load_config
-from accel.launch.cli import main
+from accel.cli.main import main
+from accel.core.config_file import load_config
 from accel.testing import run_script
 
 pytest.importorskip("yaml")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from accel._config_file import load_config
+from accel.core.config_file import load_config
 from tests.cli._helpers import accel_command, call_accel, clean_env
 
 

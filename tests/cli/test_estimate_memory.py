@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import accel
-from accel.launch.cli import main
+from accel.cli.main import main
 from accel.testing import run_distributed
 from tests.tied_models import gpt2, loss_of, tokens
 

@@ -54,7 +54,7 @@ def test_accelerate_flags_and_module_entry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     write_script(tmp_path)
-    # `python -m accel.launch script.py` (no subcommand) is `accel launch script.py`: planned
+    # `python -m accel.cli script.py` (no subcommand) is `accel launch script.py`: planned
     # in-process (--dry-run), then the planned workers' variables run the script, forked
     planned = call_accel(tmp_path, monkeypatch, "--num_processes", "2", "--num_machines", "1",
                          "--mixed_precision", "fp16", "--gradient_accumulation_steps", "2",
@@ -199,7 +199,7 @@ def test_the_command_process_ends_without_the_interpreter_teardown(tmp_path: Pat
     # exit_process: threads joined, exit functions run, streams flushed, the code kept
     code = (
         "import atexit, sys, threading, time\n"
-        "from accel.launch.cli import exit_process\n"
+        "from accel.cli.main import exit_process\n"
         "atexit.register(lambda: print('exit function ran', flush=False))\n"
         "class Loud:\n"
         "    def __del__(self): print('teardown ran')\n"
@@ -219,8 +219,8 @@ def test_the_command_process_ends_without_the_interpreter_teardown(tmp_path: Pat
 def test_the_console_script_and_the_module_end_through_exit_process() -> None:
     import tomllib
 
-    import accel.launch.__main__ as module_entry
+    import accel.cli.__main__ as module_entry
 
     project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    assert project["project"]["scripts"]["accel"] == "accel.launch.cli:script_main"
+    assert project["project"]["scripts"]["accel"] == "accel.cli.main:script_main"
     assert "exit_process(module_main())" in Path(module_entry.__file__).read_text()

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import accel
-from accel.launch.cli import main
+from accel.cli.main import main
 from accel.testing import run_distributed, run_script
 from tests.tied_models import gpt2, loss_of, tokens, toy
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from accel._env import LaunchEnv
+from accel.cli.main import build_parser
+from accel.core.env import LaunchEnv
 from accel.errors import ConfigError
-from accel.launch.cli import build_parser
 from accel.launch.run import LaunchPlan, describe_failure, is_peer_loss, plan_launch
 from tests.cli._helpers import clean_env
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from accel._env import LaunchEnv
+from accel.cli.main import build_parser
+from accel.core.env import LaunchEnv
 from accel.errors import ConfigError
-from accel.launch.cli import build_parser
 from accel.launch.graceful import stop_outcome, supported_stop_args
 from accel.launch.run import plan_launch
 from accel.testing import run_script

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import accel
-from accel.checkpoint import _atomic
+from accel._files import atomic as _atomic
 
 root, mode = Path(sys.argv[1]), sys.argv[2]
 torch.set_num_threads(1)

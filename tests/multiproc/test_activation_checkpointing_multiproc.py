@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 import accel
-from accel.blockwise import CheckpointedForward
+from accel.parallel.blockwise import CheckpointedForward
 from accel.testing import run_distributed
 
 WIDTH = 8

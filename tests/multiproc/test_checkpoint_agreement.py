@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import accel
-from accel._state import set_state
+from accel.core.state import set_state
 from accel.errors import CheckpointError
 from accel.testing import run_distributed
 

@@ -258,7 +258,7 @@ def _user_group_worker(rank: int, path: str, results: Any) -> None:
 
 
 def test_distributed_leaves_a_user_group_alone(tmp_path: Any) -> None:
-    from accel.launch._forkserver import context
+    from accel.testing._forkserver import context
 
     ctx = context()
     results = ctx.Queue()

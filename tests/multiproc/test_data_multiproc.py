@@ -9,9 +9,9 @@ import pytest
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import accel
+from accel.comm.metrics import gather_for_metrics
 from accel.data import prepare_data_loader
 from accel.errors import ConfigError, RemoteError
-from accel.metrics import gather_for_metrics
 from accel.testing import run_distributed
 
 

@@ -100,7 +100,7 @@ def _rows(rows: int, rank: int, world_size: int) -> int:
 
 def _save_body(root: str, strategy: str) -> dict[str, Any]:
     """Train STEPS steps, save, take one more step; report states and file sizes."""
-    from accel.checkpoint import _full_weights
+    from accel.weights import full as _full_weights
 
     model, optimizer = _prepared(strategy)
     for i in range(STEPS):

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 import accel
-from accel.collectives import broadcast_object
+from accel.comm.collectives import broadcast_object
 from accel.data import prepare_data_loader
 from accel.testing import run_distributed
 

@@ -266,7 +266,7 @@ def test_inspect_shows_the_mesh_a_checkpoint_was_saved_on(
 ) -> None:
     import json
 
-    from accel.launch.cli import main
+    from accel.cli.main import main
 
     checkpoint = str(saved["root"] / "tp2xfsdp2")
     assert main(["checkpoint", "inspect", checkpoint, "--json"]) == 0

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import accel
-from accel._state import set_state
+from accel.core.state import set_state
 from accel.testing import run_distributed
 
 NODES = {2: [(0, 0), (1, 0)], 3: [(0, 0), (0, 1), (1, 0)]}  # rank -> (node_rank, local_rank)

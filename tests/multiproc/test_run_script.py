@@ -301,7 +301,7 @@ def test_same_variables_and_state_as_accel_launch(tmp_path: Path) -> None:
     forked = _records(run_script(script, "--x", "1", env=env, cwd=tmp_path).output)
     launch_env = {**{k: v for k, v in os.environ.items()}, **env}
     done = subprocess.run(
-        [sys.executable, "-m", "accel.launch", "--nproc-per-node", "2", "--cpu", str(script),
+        [sys.executable, "-m", "accel.cli", "--nproc-per-node", "2", "--cpu", str(script),
          "--x", "1"], cwd=tmp_path, env={k: v for k, v in launch_env.items() if v is not None},
         capture_output=True, text=True, timeout=300, check=False,
     )

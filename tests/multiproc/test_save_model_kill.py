@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 import accel
-from accel.checkpoint import _model_swap
-from accel.checkpoint._atomic import leftovers
+from accel._files.atomic import leftovers
+from accel.weights import _model_swap
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 

@@ -26,8 +26,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accel
-from accel._state import scope
-from accel.checkpoint._accelerate_format import AccelerateCheckpointInfo
+from accel.checkpoint.accelerate_format import AccelerateCheckpointInfo
+from accel.core.state import scope
 from accel.errors import CheckpointError
 
 BENCH_PYTHON = Path("/work/benchvenv/bin/python")

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import accel
-from accel._state import ProcessState, Scope, scope, set_state
+from accel.core.state import ProcessState, Scope, scope, set_state
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""Activation checkpointing and regional compilation on one process (accel/blockwise.py).
+"""Activation checkpointing and regional compilation on one process (accel/parallel/blockwise.py).
 
 Several processes (DDP, FSDP) are tested in
 tests/multiproc/test_activation_checkpointing_multiproc.py.
@@ -18,9 +18,9 @@ from safetensors import safe_open
 from torch import nn
 
 import accel
-from accel._settings import validate_setting
-from accel.blockwise import CheckpointedForward, block_targets, compile_plan
+from accel.core.settings import validate_setting
 from accel.errors import ConfigError
+from accel.parallel.blockwise import CheckpointedForward, block_targets, compile_plan
 from accel.testing import run_script
 
 WIDTH = 8

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import accel
-from accel._config_file import load_config
+from accel.core.config_file import load_config
 from accel.testing import run_distributed
 
 

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import accel
-from accel.checkpoint import _atomic
-from accel.checkpoint._encode import decode
+from accel._files import atomic as _atomic
+from accel.checkpoint.encode import decode
 from accel.errors import CheckpointError
 
 

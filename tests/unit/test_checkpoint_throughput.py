@@ -23,8 +23,10 @@ import torch
 from torch import nn
 
 import accel
-from accel.checkpoint import _crc, _format, _writer
-from accel.checkpoint._writer import plan_bytes, plan_safetensors, write_files
+from accel._files import crc as _crc
+from accel._files import format as _format
+from accel._files import writer as _writer
+from accel._files.writer import plan_bytes, plan_safetensors, write_files
 from accel.errors import CheckpointError
 
 

@@ -22,9 +22,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 import accel
-from accel._state import scope
-from accel.checkpoint._values import check_gradients, check_rng, check_values
+from accel._files.values import check_gradients, check_rng, check_values
 from accel.checkpoint.rng import get_rng_state
+from accel.core.state import scope
 from accel.errors import CheckpointError
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
 
-from accel._state import ProcessState, Scope, scope, set_state
+from accel.core.state import ProcessState, Scope, scope, set_state
 from accel.data import (
     PreparedDataLoader,
     prepare_data_loader,
@@ -519,9 +519,9 @@ class ShuffledStream(IterableDataset[int]):
 
 
 def test_iterable_dataset_generator_reseeded_per_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
-    import accel.collectives
+    import accel.comm.collectives
 
-    monkeypatch.setattr(accel.collectives, "broadcast_object", lambda obj, from_process=0: obj)
+    monkeypatch.setattr(accel.comm.collectives, "broadcast_object", lambda obj, from_process=0: obj)
     per_rank = []
     for rank in range(2):
         with fake(rank, 2):

@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 import accel
-from accel._config_file import dump_config, parse_config
-from accel._settings import validate_setting
-from accel._state import ProcessState, Scope, set_state
+from accel.core.config_file import dump_config, parse_config
+from accel.core.settings import validate_setting
+from accel.core.state import ProcessState, Scope, set_state
 from accel.errors import ConfigError
-from accel.parallel import _ddp
+from accel.parallel import ddp as _ddp
 
 ALL_OPTIONS: dict[str, Any] = {
     "find_unused_parameters": True,
@@ -55,13 +55,13 @@ def fake(**fields: Any) -> Iterator[ProcessState]:
 
 
 def _ignored_notes(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "accel.parallel._ddp" and "ignored" in r.message]
+    return [r for r in caplog.records if r.name == "accel.parallel.ddp" and "ignored" in r.message]
 
 
 def test_one_process_accepts_every_option_and_says_once_at_debug(
     caplog: pytest.LogCaptureFixture, no_config: Path
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="accel.parallel._ddp")
+    caplog.set_level(logging.DEBUG, logger="accel.parallel.ddp")
 
     def hook(state, bucket):  # type: ignore[no-untyped-def]
         raise AssertionError("never registered on one process")
@@ -92,7 +92,7 @@ def test_no_ddp_wrapper_means_options_ignored(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # world_size 2 without a process group: reaching DDP would raise
-    caplog.set_level(logging.DEBUG, logger="accel.parallel._ddp")
+    caplog.set_level(logging.DEBUG, logger="accel.parallel.ddp")
     frozen = kwargs.pop("frozen", False)
     net = nn.Linear(4, 2).requires_grad_(not frozen)
     with fake(**fields):
@@ -104,7 +104,7 @@ def test_no_ddp_wrapper_means_options_ignored(
 def test_nothing_said_without_ddp_options(
     caplog: pytest.LogCaptureFixture, no_config: Path
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="accel.parallel._ddp")
+    caplog.set_level(logging.DEBUG, logger="accel.parallel.ddp")
     with accel.distributed(reshard_after_forward=False):  # FSDP options are not DDP options
         accel.prepare_model(nn.Linear(2, 2))
     assert _ignored_notes(caplog) == []
@@ -300,7 +300,7 @@ def test_config_file_options_reach_the_state_and_distributed_wins(
 ) -> None:
     no_config.write_text('comm_hook = "fp16"\nbucket_cap_mb = 10\nmixed_precision = "no"\n')
     monkeypatch.setenv("ACCEL_CONFIG_FILE", str(no_config))
-    caplog.set_level(logging.DEBUG, logger="accel.parallel._ddp")
+    caplog.set_level(logging.DEBUG, logger="accel.parallel.ddp")
     with accel.distributed(bucket_cap_mb=20, static_graph=True) as st:
         assert dict(st.options) == {"comm_hook": "fp16", "bucket_cap_mb": 20, "static_graph": True}
         with accel.distributed(comm_hook="no") as inner:

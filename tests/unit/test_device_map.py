@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import accel
-from accel.big_model import _model_walk
 from accel.big_model import device_map as dm
+from accel.big_model import model_walk
 from accel.big_model._explicit_map import check_device_map, normalize_device
 from accel.big_model.device_map import (
     get_balanced_memory,
@@ -184,7 +184,7 @@ def test_the_cpu_keeps_room_for_the_largest_layer(net: Net) -> None:
                                     no_split_module_classes=[Block])
     assert planned == {"embed": "cpu", "blocks.0": "cpu", "blocks.1": "cpu",
                        "blocks.2": "cpu", "blocks.3": "disk", "head": "disk"}
-    used = sum(_model_walk.module_sizes(net)[n] for n, d in planned.items() if d == "cpu")
+    used = sum(model_walk.module_sizes(net)[n] for n, d in planned.items() if d == "cpu")
     assert used + 2_176 <= 11_000 < used + 2_176 + 2_176
 
 
@@ -449,10 +449,10 @@ def test_module_sizes_count_buffers_and_keep_integer_tensors_as_they_are() -> No
     model.lin = nn.Linear(10, 10, bias=False)
     model.register_buffer("ids", torch.arange(100))  # int64: 800 bytes in any dtype
     model.norm = nn.BatchNorm1d(10)  # 2 x 10 params, 2 x 10 float buffers, one int64 count
-    sizes = _model_walk.module_sizes(model, torch.float16)
+    sizes = model_walk.module_sizes(model, torch.float16)
     assert sizes["lin"] == 200 and sizes["ids"] == 800
     assert sizes["norm"] == 4 * 20 + 8 and sizes[""] == 200 + 800 + 88
-    assert _model_walk.module_sizes(model)["norm"] == 4 * 40 + 8
+    assert model_walk.module_sizes(model)["norm"] == 4 * 40 + 8
 
 
 def test_a_meta_model_is_planned_like_the_real_one(net: Net) -> None:
@@ -506,6 +506,6 @@ def test_a_weight_tied_in_four_places_splits_partners_in_name_order() -> None:
     assert infer_auto_device_map(Shared(), max_memory={"cpu": 1600}) == {
         "shared": "cpu", "encoder": "cpu", "decoder.embed_tokens": "cpu",
         "decoder.layers": "disk", "lm_head": "cpu"}
-    assert _model_walk.tied_groups(Shared()) == [
+    assert model_walk.tied_groups(Shared()) == [
         ["decoder.embed_tokens.weight", "encoder.embed_tokens.weight", "lm_head.weight",
          "shared.weight"]]

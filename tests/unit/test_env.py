@@ -8,16 +8,17 @@ from typing import get_args
 import attrs
 import pytest
 
-from accel._config_file import parse_config
-from accel._env import (
+from accel.core import settings as settings_module
+from accel.core.config_file import parse_config
+from accel.core.env import (
     DERIVED_PORT_RANGE,
     LaunchEnv,
     read_launch_env,
 )
-from accel._settings import (
+from accel.core.settings import (
     BACKENDS,
-    COMM_HOOKS,
-    DDP_CONFIG_KEYS,
+    DDP_HOOK_KEYS,
+    DDP_KEYWORDS,
     DEFAULT_PORT,
     DEFAULT_TIMEOUT_S,
     FALSE_WORDS,
@@ -225,7 +226,7 @@ def test_mpi_without_a_job_id_uses_the_documented_default() -> None:
     assert (env.launcher, env.master_port) == ("mpi", 29500)
 
 
-# ---- the settings are defined once (accel._settings) and read alike everywhere ----
+# ---- the settings are defined once (accel.core.settings) and read alike everywhere ----
 
 
 @pytest.mark.parametrize("word", [*TRUE_WORDS, *FALSE_WORDS, "Y", " ON ", "False"])
@@ -275,18 +276,23 @@ def test_every_policy_setting_is_read_from_its_variable() -> None:
 
 
 def test_modules_take_the_definitions_from_the_settings_module() -> None:
-    import accel._env as env_module
-    import accel._state as state_module
+    """Each setting's definition has one import path: accel.core.settings. The modules that
+    use one import it and do not export it again."""
+    import accel.core.env as env_module
+    import accel.core.state as state_module
     import accel.launch.config as launch_config
     import accel.launch.run as run_module
-    from accel.parallel import _ddp
+    from accel.parallel import ddp as _ddp
 
-    assert get_args(state_module.MixedPrecision) == MIXED_PRECISION_MODES
-    assert get_args(state_module.Strategy) == STRATEGIES
     assert state_module.DEFAULT_TIMEOUT_S == DEFAULT_TIMEOUT_S == SETTINGS["timeout"].default
     assert launch_config.SETTINGS is SETTINGS
-    assert _ddp.COMM_HOOKS is COMM_HOOKS and _ddp.CONFIG_OPTIONS == DDP_CONFIG_KEYS
-    assert env_module.DEFAULT_PORT == run_module.DEFAULT_MULTI_NODE_PORT == DEFAULT_PORT
+    assert (*DDP_KEYWORDS, *DDP_HOOK_KEYS) == _ddp.KNOWN_OPTIONS
+    assert env_module.DEFAULT_PORT == run_module.DEFAULT_PORT == DEFAULT_PORT
+    for module in (env_module, state_module, launch_config, run_module, _ddp):
+        exported = set(getattr(module, "__all__", ()))
+        assert not exported & set(settings_module.__all__), module.__name__
+    assert get_args(settings_module.MixedPrecision) == MIXED_PRECISION_MODES
+    assert get_args(settings_module.Strategy) == STRATEGIES
     assert SETTINGS["backend"].choices == BACKENDS
     assert SETTINGS["mixed_precision"].choices == MIXED_PRECISION_MODES
 
@@ -300,7 +306,7 @@ def test_cpu_count_is_the_affinity_mask() -> None:
 
 def test_fp8_warns_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
     import accel
-    import accel.process_group as process_group
+    import accel.core.process_group as process_group
 
     monkeypatch.setattr(process_group, "_FP8_SAID", threading.Event())
     with warnings.catch_warnings(record=True) as caught:
@@ -324,7 +330,7 @@ def test_fp8_warns_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bf16_gives_no_fp8_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     import accel
-    import accel.process_group as process_group
+    import accel.core.process_group as process_group
 
     fresh = threading.Event()
     monkeypatch.setattr(process_group, "_FP8_SAID", fresh)

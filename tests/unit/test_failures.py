@@ -1,4 +1,4 @@
-"""accel._failures on one process: every rank agrees on a failure, then raises.
+"""accel.comm.failures on one process: every rank agrees on a failure, then raises.
 
 The multi-process behaviour (one rank fails, all raise) is covered through its users:
 tests/multiproc/test_checkpoint_agreement.py, test_accelerate_checkpoint_multiproc.py,
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from accel._failures import agree_on_failure, describe, label_errors, rank_errors
+from accel.comm.failures import agree_on_failure, describe, label_errors, rank_errors
 from accel.errors import CheckpointError, ConfigError
 from accel.testing import fake_state
 

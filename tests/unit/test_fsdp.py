@@ -16,16 +16,16 @@ import torch
 from torch import nn
 
 import accel
-from accel._state import ProcessState, Scope, set_state
+from accel.core.state import ProcessState, Scope, set_state
 from accel.errors import AccelError, ConfigError, StaleParametersError
 from accel.parallel import fsdp
-from accel.parallel._fsdp_params import (
+from accel.parallel.fsdp_params import (
     adopt_sharded_parameters,
     check_optimizer_parameters,
     mark_replaced,
     plain_norm,
 )
-from accel.precision import AutocastForward
+from accel.precision.casting import AutocastForward
 
 
 @contextmanager

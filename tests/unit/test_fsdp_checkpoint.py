@@ -18,10 +18,12 @@ import torch
 from torch import nn
 
 import accel
-from accel.checkpoint import _full_weights, _reshard, _sharded
 from accel.checkpoint._fit import check_fits
-from accel.checkpoint._objects import write_object
+from accel.checkpoint.objects import write_object
+from accel.checkpoint.sharded import pieces as _sharded
+from accel.checkpoint.sharded import reshard as _reshard
 from accel.errors import CheckpointArgumentError, CheckpointError
+from accel.weights import full as _full_weights
 
 REF = _sharded.SHARD_REF
 
@@ -63,7 +65,7 @@ def _sharded_checkpoint(
 
 
 def _load(tmp: Path, files: dict[str, Any], objects: dict[str, Any]) -> dict[str, Any]:
-    from accel.checkpoint._objects import read_object
+    from accel.checkpoint.objects import read_object
 
     loaded = {name: read_object(tmp, name, files) for name in objects}
     _reshard.resolve(tmp, files, objects, loaded)

@@ -41,10 +41,10 @@ import torch
 from torch import nn
 
 import accel
-from accel.checkpoint import _stream
-from accel.checkpoint._format import write_safetensors
-from accel.checkpoint._objects import write_object
+from accel._files.format import write_safetensors
+from accel.checkpoint.objects import write_object
 from accel.errors import CheckpointError
+from accel.weights import stream as _stream
 
 # -- torch pickles ---------------------------------------------------------------------------
 
@@ -709,7 +709,7 @@ def test_a_torch_file_that_states_no_size_is_refused(tmp_path: Path) -> None:
 def test_a_grad_scaler_state_lacking_a_key_is_refused_before_anything_changes() -> None:
     """GradScaler.load_state_dict reads every key (KeyError after the other objects were
     restored); the check that runs before any change now names the missing one."""
-    from accel.checkpoint._values import check_values
+    from accel._files.values import check_values
 
     scaler = torch.amp.GradScaler("cpu")
     state = scaler.state_dict()
@@ -744,7 +744,7 @@ def _zip_of_many(path: Path, count: int) -> None:
 def test_a_torch_zip_of_a_million_members_is_refused_from_its_end_record(tmp_path: Path) -> None:
     """Reading a directory of 10**6 members took the check ~50 s and ~1 GB; the end record
     says how many there are before any is read."""
-    from accel.checkpoint._torch_zip import MAX_MEMBERS
+    from accel._files.torch_zip import MAX_MEMBERS
 
     path = tmp_path / "many.pt"
     _zip_of_many(path, MAX_MEMBERS + 1)

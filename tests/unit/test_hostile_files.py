@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import accel
-from accel.checkpoint._format import read_safetensors
-from accel.checkpoint._safe_io import (
+from accel._files.format import read_safetensors
+from accel._files.safe_io import (
     MAX_JSON_DEPTH,
     json_depth,
     load_json,

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import accel
-from accel.checkpoint._torch_zip import check_torch_zip
+from accel._files.torch_zip import check_torch_zip
 from accel.errors import CheckpointError
 
 Rewrite = Callable[[str, bytes], tuple[bytes, int]]  # (name, data) -> (data, zip method)

@@ -23,17 +23,21 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 # Highest first. A module belongs to the first layer with a pattern that matches it: the exact
 # name, or ``prefix.*`` for a package's modules. Unlisted modules are in "features".
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("package", ("accel", "accel.launch.selftest", "accel._warm_server")),
+    ("package", ("accel", "accel.cli.selftest", "accel.testing._warm_server")),
     ("tools", (
-        "accel.launch", "accel.launch.*", "accel.tools", "accel.tools.*", "accel.testing",
+        "accel.launch", "accel.launch.*", "accel.cli", "accel.cli.*", "accel.testing",
+        "accel.testing.*",
     )),
-    ("distributed", ("accel.process_group",)),
     # named for the page; every module not listed above or below is in this layer too
     ("features", ("accel.data", "accel.data.*", "accel.parallel", "accel.parallel.*")),
-    ("state", ("accel._state",)),
-    ("config file", ("accel._config_file",)),
-    ("environment", ("accel._env",)),
-    ("settings", ("accel._settings",)),
+    ("distributed", ("accel.core.process_group",)),
+    ("state", (
+        "accel.core", "accel.core.state", "accel.core.options", "accel.core.mesh",
+        "accel.core.seeding", "accel.core.tree", "accel.core.sizes",
+    )),
+    ("config file", ("accel.core.config_file",)),
+    ("environment", ("accel.core.env",)),
+    ("settings", ("accel.core.settings",)),
     ("errors", ("accel.errors",)),
 ]
 _FEATURES = [name for name, _ in LAYERS].index("features")
@@ -155,26 +159,46 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(cycles)
 
 
+def package_of(module: str) -> str:
+    """The package a module belongs to: ``accel.x`` for ``accel.x`` and every module under it;
+    a top-level module (``accel.errors``) is a package of its own."""
+    return ".".join(module.split(".")[:2])
+
+
 def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """Each subpackage of accel (``accel.x`` holding modules) and the subpackages its modules
-    import. The package itself and its top-level modules are no subpackage: left out."""
-    packages = {m for m in graph if m.count(".") == 1 and any(o.startswith(f"{m}.") for o in graph)}
-
-    def package_of(module: str) -> str | None:
-        name = ".".join(module.split(".")[:2])
-        return name if name in packages else None
-
-    out: dict[str, set[str]] = {p: set() for p in packages}
+    """Each package of accel (a subpackage, or a top-level module) and the packages its modules
+    import. The facade ``accel`` itself (``__init__.py``) is left out: it names everything."""
+    out: dict[str, set[str]] = {}
     for module, deps in graph.items():
+        if module == "accel":
+            continue
         source = package_of(module)
-        if source is not None:
-            out[source].update(d for d in map(package_of, deps) if d not in (None, source))
+        targets = out.setdefault(source, set())
+        targets.update(p for p in map(package_of, deps) if p not in ("accel", source))
     return out
+
+
+def private_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of another package's private module (a ``_name`` below its package), as
+    readable lines. A package's ``_private`` modules are its own; others use public names."""
+    found = []
+    for module, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            if package_of(dep) == package_of(module):
+                continue
+            if any(part.startswith("_") for part in dep.split(".")[2:]):
+                found.append(f"{module} imports {dep}, private to {package_of(dep)}")
+    return found
+
+
+def top_level_modules(package: Path = PACKAGE) -> list[str]:
+    """The modules directly in ``accel/`` (``__init__.py`` included)."""
+    return sorted(p.name for p in package.glob("*.py"))
 
 
 def test_imports_only_flow_down() -> None:
     graph = import_graph()
-    assert "accel._settings" in graph and "accel.process_group" in graph
+    assert "accel.core.settings" in graph and "accel.core.process_group" in graph
     assert upward_imports(graph) == []
 
 
@@ -184,7 +208,7 @@ def test_no_import_cycle() -> None:
 
 def test_no_cycle_between_packages() -> None:
     packages = package_graph(import_graph())
-    assert {"accel.checkpoint", "accel.big_model", "accel.launch", "accel.tools"} <= set(packages)
+    assert {"accel.checkpoint", "accel.big_model", "accel.launch", "accel.cli"} <= set(packages)
     assert "accel.checkpoint" in packages["accel.big_model"]  # big models load checkpoints
     assert import_cycles(packages) == []
 
@@ -197,8 +221,13 @@ def test_a_package_cycle_is_found() -> None:
     }
     assert package_graph(graph) == {
         "accel.a": {"accel.b"}, "accel.b": {"accel.a"}, "accel.c": {"accel.a"},
-    }  # accel.m is a top-level module: its imports form no package edge
+        "accel.m": {"accel.a"},
+    }  # accel.m is a top-level module: a package of its own
     assert import_cycles(package_graph(graph)) == [["accel.a", "accel.b"]]
+    graph["accel.a.w"] = {"accel.m"}
+    graph["accel.m"] = {"accel.a.x"}
+    graph["accel.a.x"] = set()
+    assert import_cycles(package_graph(graph)) == [["accel.a", "accel.m"]]
 
 
 def test_a_cycle_is_found() -> None:
@@ -223,15 +252,15 @@ def test_data_and_parallel_are_independent() -> None:
 
 def test_the_settings_layer_imports_only_errors() -> None:
     graph = import_graph()
-    assert graph["accel._settings"] <= {"accel.errors"}
+    assert graph["accel.core.settings"] <= {"accel.errors"}
     assert graph["accel.errors"] == set()
 
 
 def test_distributed_reads_the_config_file_from_below() -> None:
     graph = import_graph()
-    assert "accel._config_file" in graph["accel.process_group"]
-    assert not any(dep.startswith("accel.launch") for dep in graph["accel.process_group"])
-    assert layer_of("accel._config_file") > layer_of("accel._state")
+    assert "accel.core.config_file" in graph["accel.core.process_group"]
+    assert not any(dep.startswith("accel.launch") for dep in graph["accel.core.process_group"])
+    assert layer_of("accel.core.config_file") > layer_of("accel.core.state")
 
 
 def test_an_upward_import_is_found(tmp_path: Path) -> None:
@@ -240,12 +269,12 @@ def test_an_upward_import_is_found(tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text("")
     (pkg / "launch" / "__init__.py").write_text("")
     (pkg / "launch" / "run.py").write_text("")
-    (pkg / "_env.py").write_text("def f():\n    from accel.launch import run\n")
-    (pkg / "model.py").write_text("from ._env import f\nfrom accel import __version__\n")
+    (pkg / "core/env.py").write_text("def f():\n    from accel.launch import run\n")
+    (pkg / "training/model.py").write_text("from ._env import f\nfrom accel import __version__\n")
     graph = import_graph(pkg)
-    assert graph["accel.model"] == {"accel._env"}
+    assert graph["accel.training.model"] == {"accel.core.env"}
     assert upward_imports(graph) == [
-        "accel._env (environment) imports accel.launch.run (tools)"
+        "accel.core.env (environment) imports accel.launch.run (tools)"
     ]
 
 
@@ -273,9 +302,9 @@ def test_a_module_is_named_in_full_or_after_its_package() -> None:
 
 @pytest.mark.parametrize(
     ("module", "layer"),
-    [("accel", "package"), ("accel.launch.cli", "tools"), ("accel.checkpoint.state", "features"),
+    [("accel", "package"), ("accel.cli.main", "tools"), ("accel.checkpoint.state", "features"),
      ("accel.data._loader", "features"), ("accel.parallel.fsdp", "features"),
-     ("accel._state", "state"), ("accel.errors", "errors")],
+     ("accel.core.state", "state"), ("accel.errors", "errors")],
 )
 def test_layer_of(module: str, layer: str) -> None:
     assert LAYERS[layer_of(module)][0] == layer
@@ -290,5 +319,10 @@ if __name__ == "__main__":  # print the graph, lowest layer first
         print("cycle:", " ".join(cycle))
     for cycle in import_cycles(package_graph(graph)):
         print("package cycle:", " ".join(cycle))
-    failed = upward_imports(graph) or import_cycles(graph) or import_cycles(package_graph(graph))
+    for line in private_imports(graph) + upward_imports(graph):
+        print(line)
+    failed = (
+        upward_imports(graph) or import_cycles(graph) or import_cycles(package_graph(graph))
+        or private_imports(graph)
+    )
     sys.exit(1 if failed else 0)

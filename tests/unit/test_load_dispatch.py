@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import accel
-from accel.checkpoint import _stream
 from accel.errors import AccelError, CheckpointError, DeviceMapError
+from accel.weights import stream as _stream
 
 WIDTH = 32
 

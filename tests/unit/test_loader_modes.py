@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 import accel
-from accel._state import ProcessState, Scope, set_state
+from accel.core.state import ProcessState, Scope, set_state
 from accel.data import prepare_data_loader
 from accel.data._dispatch_mode import DispatchMode
 from accel.data._loader import PreparedDataLoader
@@ -105,7 +105,7 @@ SPLIT_MODULES = [
     "data/_stream_shard.py", "data/_epoch_seeds.py", "data/_loader_state.py",
     "data/_broadcast_batches.py",
     "big_model/dispatch.py", "big_model/_apply_map.py", "big_model/device_map.py",
-    "big_model/_explicit_map.py", "big_model/_model_walk.py",
+    "big_model/_explicit_map.py", "big_model/model_walk.py",
 ]
 
 

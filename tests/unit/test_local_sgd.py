@@ -12,8 +12,8 @@ from torch import nn
 
 import accel
 from accel.errors import ConfigError, GatedCollectiveError, NotDistributedError
-from accel.parallel import local_sgd as local_sgd_module
 from accel.testing import fake_state
+from accel.training import local_sgd as local_sgd_module
 
 
 def _model() -> nn.Module:

@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import accel
-from accel import _state, memory
+from accel import memory
+from accel.core import state as _state
 from accel.errors import ConfigError, NoExecutableBatchSizeError
 from accel.memory import is_out_of_memory
 from accel.testing import fake_state

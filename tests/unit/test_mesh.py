@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import accel
+from accel.core.mesh import MeshShape, mesh_shape
 from accel.errors import ConfigError
 from accel.launch.run import add_launch_options, command_line_settings
-from accel.parallel.mesh import MeshShape, mesh_shape
 from accel.parallel.tensor_parallel import matching_modules, model_plan, to_style
 from tests import mesh_models as mm
 

@@ -9,12 +9,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import accel.metrics as metrics
-from accel._state import ProcessState, Scope, set_state
-from accel._tree import zip_map_tensors
+import accel.comm.metrics as metrics
+from accel.comm.metrics import FinalRound, gather_for_metrics, merge_gathered_objects, trim_gathered
+from accel.core.state import ProcessState, Scope, set_state
+from accel.core.tree import zip_map_tensors
 from accel.data import prepare_data_loader
-from accel.data._rounds import FinalRound
-from accel.metrics import gather_for_metrics, merge_gathered_objects, trim_gathered
 
 
 @pytest.mark.parametrize(

@@ -10,11 +10,11 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import accel
-import accel.metrics as metrics
-from accel._state import ProcessState, Scope, set_state
-from accel._tree import zip_map_tensors
+import accel.comm.metrics as metrics
+from accel.comm.metrics import gather_for_metrics
+from accel.core.state import ProcessState, Scope, set_state
+from accel.core.tree import zip_map_tensors
 from accel.data import prepare_data_loader
-from accel.metrics import gather_for_metrics
 
 N, BATCH = 37, 32
 

@@ -13,12 +13,12 @@ import torch._dynamo  # imported here: it sets TORCHINDUCTOR_CACHE_DIR (conftest
 from torch import nn
 
 import accel
-from accel._state import ProcessState, Scope, set_state
+from accel.core.state import ProcessState, Scope, set_state
 from accel.errors import AccelError, ConfigError
-from accel.model import is_prepared
-from accel.optim import PreparedOptimizer
-from accel.precision import AutocastForward
-from accel.scheduling import PreparedScheduler
+from accel.precision.casting import AutocastForward
+from accel.training.model import is_prepared
+from accel.training.optim import PreparedOptimizer
+from accel.training.scheduling import PreparedScheduler
 
 
 @contextmanager

@@ -9,7 +9,7 @@ import pytest
 from torch import nn
 
 import accel
-from accel.model_blocks import declared_blocks
+from accel.parallel.blocks import declared_blocks
 from accel.parallel.fsdp import default_shard_modules, describe_blocks, shard_targets
 
 

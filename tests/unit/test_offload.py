@@ -304,7 +304,7 @@ def test_map_sources_checks_everything(tmp_path: Path) -> None:
 
 
 def test_unopenable_file_is_an_error(tmp_path: Path) -> None:
-    # a folder is refused by the regular-file check (accel.checkpoint._safe_io) once opened
+    # a folder is refused by the regular-file check (accel._files.safe_io) once opened
     with pytest.raises(CheckpointError, match="is a directory, not a regular file"):
         MappedFile(tmp_path)  # a folder
 

@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import accel
-from accel._state import ProcessState, Scope, scope, set_state
-from accel.optim import (
+from accel.core.state import ProcessState, Scope, scope, set_state
+from accel.training.optim import (
     PreparedOptimizer,
     load_scaler_state_dict,
     scaler_state_dict,
 )
-from accel.scheduling import PreparedScheduler
+from accel.training.scheduling import PreparedScheduler
 
 
 @contextmanager

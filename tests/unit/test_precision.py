@@ -10,9 +10,9 @@ import torch
 import torch._dynamo  # imported here: it sets TORCHINDUCTOR_CACHE_DIR (conftest env guard)
 
 import accel
-from accel._state import ProcessState, Scope, set_state
+from accel.core.state import ProcessState, Scope, set_state
 from accel.errors import ConfigError
-from accel.precision import AutocastForward, autocast_dtype, outputs_to_fp32
+from accel.precision.casting import AutocastForward, autocast_dtype, outputs_to_fp32
 
 A = torch.ones(4, 4)
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import accel
-from accel._config_file import parse_config
-from accel._env import read_launch_env
+from accel.core.config_file import parse_config
+from accel.core.env import read_launch_env
 from accel.errors import CheckpointArgumentError, CheckpointError, ConfigError
 from accel.testing import fake_state
 

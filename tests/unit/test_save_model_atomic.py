@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import accel
-from accel.checkpoint._atomic import leftovers, writer_lock
+from accel._files.atomic import leftovers, writer_lock
 from accel.errors import CheckpointError
 
 
@@ -68,7 +68,7 @@ def test_resave_keeps_user_entries_and_drops_stale_shards(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, can_exchange: bool
 ) -> None:
     if not can_exchange:
-        monkeypatch.setattr("accel.checkpoint._model_swap.exchange", lambda a, b: False)
+        monkeypatch.setattr("accel.weights._model_swap.exchange", lambda a, b: False)
     out = tmp_path / "export"
     old, new = _model(0), _model(1)
     accel.save_model(old, out, max_shard_size="1KB")

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import accel
-from accel import _state
-from accel._state import Scope, ScopeSlot, scope
-from accel.accumulation import accumulation_step, set_accumulation_step
+from accel.core import state as _state
+from accel.core.state import Scope, ScopeSlot, scope
+from accel.training.accumulation import accumulation_step, set_accumulation_step
 from tests.conftest import _CONTEXT_VARS
 
 ACCEL = Path(accel.__file__).parent

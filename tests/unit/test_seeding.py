@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import accel
-from accel._state import ProcessState, Scope, set_state
+from accel.core.state import ProcessState, Scope, set_state
 from accel.errors import ConfigError
 
 

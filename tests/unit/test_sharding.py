@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler
 
+from accel.comm.metrics import FinalRound, trim_gathered
 from accel.data._batch_sampler import ShardSpec
-from accel.data._rounds import FinalRound, dispatch_slice_size, skip_first, split_counts
+from accel.data._rounds import dispatch_slice_size, skip_first, split_counts
 from accel.data._stream_shard import shard_stream, stream_final_round
 from accel.errors import ConfigError
-from accel.metrics import trim_gathered
 
 
 def shards(

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import accel
-from accel._env import LaunchEnv
-from accel._state import ProcessState, resolve_policy
+from accel.core.env import LaunchEnv
+from accel.core.state import ProcessState, resolve_policy
 from accel.errors import AccelError, ConfigError
 from accel.testing import fake_state
 

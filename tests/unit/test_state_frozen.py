@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import accel
-from accel._state import ProcessState
+from accel.core.state import ProcessState
 from accel.errors import AccelError, StateFrozenError
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import accel
-from accel.checkpoint import _ties
 from accel.errors import CheckpointError
+from accel.weights import ties as _ties
 from tests import tied_models as tm
 
 

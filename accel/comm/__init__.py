@@ -1,0 +1,4 @@
+"""Communication between ranks: collectives, rank gating, debug-mode checks, agreement on
+a failure, ``gather_for_metrics`` and ``join_uneven_inputs``. Every collective must be called
+on every rank.
+"""

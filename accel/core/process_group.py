@@ -1,0 +1,430 @@
+"""``distributed()``: set up (or join) the process group and set the state for a block."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from accel.core.config_file import load_config
+from accel.core.env import LaunchEnv, read_launch_env, read_variable
+from accel.core.mesh import SIZE_KEYS, build_mesh, mesh_shape
+from accel.core.options import check_options
+from accel.core.seeding import set_seed
+from accel.core.settings import (
+    BACKENDS,
+    DDP_CONFIG_KEYS,
+    DEFAULT_PORT,
+    FP8_NOTE,
+    MODEL_KEYS,
+    POLICY_KEYS,
+    env_variable,
+    validate_setting,
+)
+from accel.core.state import (
+    ProcessState,
+    Scope,
+    best_device,
+    has_active_state,
+    resolve_policy,
+    run_exit_steps,
+    set_state,
+    state,
+)
+from accel.errors import ConfigError
+
+__all__ = ["distributed"]
+
+_FP8_SAID = threading.Event()  # once per process: fp8 runs as bf16
+
+
+def _as_seconds(timeout: float | datetime.timedelta | None) -> float | None:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return timeout
+
+
+def _pick_backend(requested: str | None, device: torch.device) -> str:
+    backend = requested or ("nccl" if device.type == "cuda" else "gloo")
+    if backend not in BACKENDS:
+        raise ConfigError(
+            f"backend={backend!r} is not a torch.distributed backend; choose one of "
+            f"{list(BACKENDS)}, e.g. `accel.distributed(backend='gloo')` for CPU."
+        )
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(
+            "backend='nccl' needs CUDA devices, but this process runs on "
+            f"{str(device)!r}. Use `backend='gloo'` (the CPU default) or drop `cpu=True`."
+        )
+    return backend
+
+
+def _init_group(env: LaunchEnv, backend: str, timeout_s: float) -> None:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if env.launcher == "torchrun":
+        # torchrun's agent already hosts the store at MASTER_ADDR:MASTER_PORT: join it.
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        return
+    addr = env.master_addr or "127.0.0.1"
+    port = env.master_port or DEFAULT_PORT
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+    )
+
+
+def _nested(
+    current: ProcessState,
+    *,
+    fixed: dict[str, Any],
+    changes: dict[str, Any],
+    options: dict[str, Any],
+    on_each_node: bool | None,
+) -> ProcessState:
+    held_values = {"backend": current.backend, "cpu": current.device.type == "cpu"}
+    for name, value in fixed.items():
+        if value is not None and value != held_values[name]:
+            raise ConfigError(
+                f"A nested `accel.distributed()` cannot change {name} (outer block: "
+                f"{held_values[name]!r}, requested: {value!r}): it reuses the outer process "
+                f"group. Pass {name} to the outermost `accel.distributed()` instead."
+            )
+    merged = {k: v if v is not None else getattr(current, k) for k, v in changes.items()}
+    policy = resolve_policy(LaunchEnv(), world_size=current.world_size, **merged)
+    # stack: _note_fp8 < _nested < _nested_block < distributed < contextlib < the caller
+    _note_fp8(policy["mixed_precision"], stacklevel=6)
+    each = current.on_each_node if on_each_node is None else on_each_node
+    return attrs.evolve(
+        current, **policy, on_each_node=each, options={**current.options, **options}
+    )
+
+
+def _check_on_each_node(value: object) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise ConfigError(
+        f"on_each_node={value!r} must be True or False, e.g. "
+        "`accel.distributed(on_each_node=True)` when the machines have no shared filesystem."
+    )
+
+
+def _check_backend_and_cpu(backend: object, cpu: object) -> None:
+    """Refuse a bad ``backend``/``cpu`` on one process too (N processes would fail)."""
+    if not isinstance(cpu, bool):
+        raise ConfigError(
+            f"cpu={cpu!r} must be True or False, e.g. `accel.distributed(cpu=True)`."
+        )
+    if backend is not None and backend not in BACKENDS:
+        raise ConfigError(
+            f"backend={backend!r} is not a torch.distributed backend; choose one of "
+            f"{list(BACKENDS)}, e.g. `accel.distributed(backend='gloo')` for CPU."
+        )
+
+
+@contextmanager
+def distributed(
+    *,
+    backend: str | None = None,
+    mixed_precision: str | None = None,
+    gradient_accumulation_steps: int | None = None,
+    strategy: str | None = None,
+    cpu: bool = False,
+    timeout: float | datetime.timedelta | None = None,
+    debug: bool | None = None,
+    seed: int | None = None,
+    on_each_node: bool | None = None,
+    dp_replicate_size: int | None = None,
+    dp_shard_size: int | None = None,
+    tp_size: int | None = None,
+    cp_size: int | None = None,
+    **options: Any,
+) -> Iterator[ProcessState]:
+    """Set up distributed training for the block and yield the process state.
+
+    Reads the launch environment (torchrun / ``accel launch``, SLURM, Open MPI / MPICH), picks
+    the device (CUDA ``local_rank % device_count``, else CPU) and the backend (nccl on CUDA,
+    gloo on CPU), initialises the process group unless one exists, and destroys on exit only a
+    group it created: after a barrier on a clean exit, and at once, with no collective, when an
+    exception leaves the block (the failing rank exits promptly, so its launcher stops the job
+    instead of every rank waiting for the collective timeout). Options not passed come from the
+    ``ACCEL_*`` environment, then the config file, then defaults. Nested inside an active
+    block, it reuses the group and scopes the changed options.
+
+    Args:
+        backend: torch.distributed backend; default nccl on CUDA, gloo on CPU.
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (which runs as bf16
+            autocast for now: a warning says so, once per process).
+        gradient_accumulation_steps: optimizer steps happen every this many batches.
+        strategy: ``"none"``, ``"ddp"`` or ``"fsdp"``; default ddp with several processes.
+        cpu: run on the CPU even when CUDA is available.
+        timeout: seconds (or a timedelta) before a collective gives up; default 30 minutes.
+            A nested block can shorten it for accel's own waits (debug-mode checks); the
+            process group keeps the timeout it was created with.
+        debug: check every collective's shapes on all ranks first (also ``ACCEL_DEBUG=1``).
+        seed: seed python, numpy and torch RNGs identically on every rank.
+        on_each_node: the default of ``save``, ``save_model``, ``save_state`` and
+            ``load_state``: each machine's local main process writes (and reads) its own copy,
+            for machines without a shared filesystem (also the config key ``on_each_node``
+            and ``ACCEL_ON_EACH_NODE=1``); default False (one copy, written by rank 0).
+        dp_replicate_size: data-parallel replicas (HSDP's replicate dimension).
+        dp_shard_size: processes each model is sharded over with FSDP (implies
+            ``strategy="fsdp"`` when > 1).
+        tp_size: tensor-parallel degree (``prepare_model(tp_plan=...)`` splits layers over
+            it). With any of the sizes set the block gets a DeviceMesh (``state().mesh``,
+            dims ``dp_replicate``, ``dp_shard``, ``tp``); one size left unset takes what
+            remains (see ``docs/parallelism.md``).
+        cp_size: context-parallel degree; > 1 is a ``ConfigError`` (not available).
+        **options: DDP and FSDP options, and ``activation_checkpointing`` (also
+            ``ACCEL_ACTIVATION_CHECKPOINTING`` and the config key), the default of every
+            ``prepare_model`` in the block; readable as ``accel.state().options``.
+
+    Raises:
+        ConfigError: an option or launch variable is invalid.
+
+    Example:
+        >>> with accel.distributed(mixed_precision="bf16") as st:
+        ...     print(st.rank, st.world_size, st.device)
+        0 1 cpu
+    """
+    check_options(options, _NAMED)
+    _check_backend_and_cpu(backend, cpu)
+    timeout_s = _as_seconds(timeout)
+    on_each_node = _check_on_each_node(on_each_node)
+    changes: dict[str, Any] = {
+        "mixed_precision": mixed_precision,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "strategy": strategy,
+        "debug": debug,
+        "timeout": timeout_s,
+    }
+    sizes = {"dp_replicate_size": dp_replicate_size, "dp_shard_size": dp_shard_size,
+             "tp_size": tp_size, "cp_size": cp_size}
+    if has_active_state():
+        yield from _nested_block(
+            sizes, changes, options, backend=backend, cpu=cpu, seed=seed,
+            on_each_node=on_each_node,
+        )
+        return
+    env, file_options = _with_config_file(read_launch_env())
+    options = {**file_options, **options}  # distributed(**options) wins over the file
+    process = _find_process(env, backend, cpu or bool(env.cpu))
+    current, created = _start(
+        env, process, sizes, changes, seed=seed, on_each_node=on_each_node, options=options
+    )
+    yield from _run_block(current, created, seed)
+
+
+def _nested_block(
+    sizes: Mapping[str, int | None], changes: dict[str, Any], options: dict[str, Any], *,
+    backend: str | None, cpu: bool, seed: int | None, on_each_node: bool | None,
+) -> Iterator[ProcessState]:
+    """A block inside an active one: the same group and mesh, the changed options scoped."""
+    _same_mesh(state(), sizes)
+    fixed = {"backend": backend, "cpu": cpu or None}
+    inner = _nested(
+        state(), fixed=fixed, changes=changes, options=options, on_each_node=on_each_node
+    )
+    if seed is not None:  # recorded in the block's state, as for an outer block
+        inner = attrs.evolve(inner, seed=seed)
+    with set_state(inner):
+        if seed is not None:
+            set_seed(seed)
+        yield inner
+
+
+@attrs.frozen
+class _Process:
+    """Where this process stands: its ranks, device and process-group backend (``None``
+    without a group)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None
+
+
+def _find_process(env: LaunchEnv, backend: str | None, use_cpu: bool) -> _Process:
+    """This process from an existing process group, else from the launch environment."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        group_backend: str | None = str(dist.get_backend())
+        local_rank, local_world = env.local_rank, env.local_world_size
+        if env.world_size != world:  # the user made the group without launcher variables
+            local_rank, local_world = rank, world
+        device = best_device(local_rank, cpu=use_cpu or group_backend == "gloo")
+        return _Process(rank, world, local_rank, local_world, device, group_backend)
+    device = best_device(env.local_rank, cpu=use_cpu)
+    group_backend = None
+    if env.world_size > 1:
+        if not dist.is_available():
+            raise ConfigError(
+                f"The launcher started {env.world_size} processes but this torch build has no "
+                "torch.distributed. Install a torch build with distributed support."
+            )
+        group_backend = _pick_backend(backend or env.backend, device)
+    return _Process(
+        env.rank, env.world_size, env.local_rank, env.local_world_size, device, group_backend
+    )
+
+
+def _start(
+    env: LaunchEnv, process: _Process, sizes: Mapping[str, int | None],
+    changes: dict[str, Any], *, seed: int | None, on_each_node: bool | None,
+    options: dict[str, Any],
+) -> tuple[ProcessState, bool]:
+    """The block's state: its mesh and policy resolved, the device set, the group created
+    when none exists (and whether it was)."""
+    world, device = process.world_size, process.device
+    shape = mesh_shape(
+        world, changes["strategy"] if changes["strategy"] is not None else env.strategy,
+        {k: v if v is not None else getattr(env, k) for k, v in sizes.items()},
+        device_type=device.type,
+    )
+    if shape is not None and shape.dp_shard > 1 and changes["strategy"] is None:
+        changes = {**changes, "strategy": "fsdp"}
+    policy = resolve_policy(env, world_size=world, **changes)
+    # stack: _note_fp8 < _start < distributed (generator) < contextlib's __enter__ < the caller
+    _note_fp8(policy["mixed_precision"], stacklevel=5)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    created = False
+    if process.backend is not None and not dist.is_initialized():
+        _init_group(env, process.backend, policy["timeout"])
+        created = True
+    mesh = build_mesh(device.type, shape) if shape is not None and world > 1 else None
+    launched = world == env.world_size
+    current = ProcessState(
+        rank=process.rank,
+        local_rank=process.local_rank,
+        world_size=world,
+        local_world_size=process.local_world_size,
+        node_rank=env.node_rank if launched else process.rank // max(1, process.local_world_size),
+        num_nodes=env.num_nodes if launched else 1,
+        device=device,
+        backend=process.backend,
+        seed=seed,
+        on_each_node=bool(env.on_each_node) if on_each_node is None else on_each_node,
+        options=options,
+        mesh_shape=None if shape is None else shape.sizes(),
+        mesh=mesh,
+        **policy,
+    )
+    return current, created
+
+
+def _run_block(current: ProcessState, created: bool, seed: int | None) -> Iterator[ProcessState]:
+    """Yield ``current`` as the block's state; leave the group this block created."""
+    try:
+        record = Scope(created_group=created)
+        with set_state(current, record):
+            try:
+                if seed is not None:
+                    set_seed(seed)
+                yield current
+            except BaseException:
+                run_exit_steps(record, failed=True)
+                raise
+            run_exit_steps(record, failed=False)  # e.g. async saves finished, DDP released
+    except BaseException:
+        if created and dist.is_initialized():
+            _leave_after_error()
+        raise
+    if created and dist.is_initialized():
+        _teardown()
+
+
+_NAMED = (
+    "backend", "mixed_precision", "gradient_accumulation_steps", "strategy", "cpu", "timeout",
+    "debug", "seed", "on_each_node", "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size",
+)
+
+
+def _same_mesh(outer: ProcessState, sizes: Mapping[str, int | None]) -> None:
+    """Refuse mesh sizes in a nested block that differ from the outer block's mesh."""
+    shape = outer.mesh_shape
+    have = dict.fromkeys(SIZE_KEYS) if shape is None else dict(
+        zip(SIZE_KEYS, (*shape, 1), strict=True)  # cp_size: always 1 in a mesh
+    )
+    for key, value in sizes.items():
+        if value is not None and value != have[key]:
+            raise ConfigError(
+                f"accel.distributed({key}={value}) inside a block whose mesh is "
+                f"{outer.mesh_shape or 'not set'} (dp_replicate, dp_shard, tp): the mesh is made "
+                "once, by the outermost block. Pass the sizes there."
+            )
+
+
+def _note_fp8(mixed_precision: str, stacklevel: int) -> None:
+    """Warn once per process that ``fp8`` runs as bf16 autocast (no fp8 backend yet);
+    ``stacklevel`` counts the frames up to the caller's ``with`` line."""
+    if mixed_precision == "fp8" and not _FP8_SAID.is_set():
+        _FP8_SAID.set()
+        warnings.warn(FP8_NOTE, UserWarning, stacklevel=stacklevel)
+
+
+def _with_config_file(env: LaunchEnv) -> tuple[LaunchEnv, dict[str, Any]]:
+    """Fill the options the environment leaves unset from the config file (env wins).
+
+    Also returns the file's DDP options (``find_unused_parameters``, ``comm_hook``...) and
+    model options (``activation_checkpointing``, where ``ACCEL_<KEY>`` wins over the file),
+    which join ``accel.state().options`` under those passed to ``distributed()``.
+    """
+    config = load_config(env.config_file)
+    missing: dict[str, Any] = {
+        key: config[key]
+        for key in POLICY_KEYS
+        if key in config and getattr(env, key) is None
+    }
+    file_options = {key: config[key] for key in (*DDP_CONFIG_KEYS, *MODEL_KEYS) if key in config}
+    for key in MODEL_KEYS:
+        variable = env_variable(key)
+        raw = read_variable(variable)
+        if raw is not None:
+            file_options[key] = validate_setting(key, raw, variable, variable=variable)
+    return (attrs.evolve(env, **missing) if missing else env), file_options
+
+
+def _teardown() -> None:
+    """Destroy the group this block created, once every rank has reached the end.
+
+    Without the barrier a rank that finishes first closes its connections while a peer's
+    last collective is still completing in gloo's background threads, which can abort the
+    peer at exit ("terminate called without an active exception").
+    """
+    try:
+        dist.barrier()
+    except RuntimeError:  # a peer already failed: nothing left to synchronise with
+        pass
+    dist.destroy_process_group()
+
+
+def _leave_after_error() -> None:
+    """Leave the group this block created while an exception propagates: no collective.
+
+    A barrier here would wait forever for peers that are still training (or blocked in a
+    collective this rank will never join), so the process would never exit and the launcher
+    would never learn that it failed. Instead the group is torn down locally (the block's exit
+    steps already ran, e.g. DDP reducers released): it is aborted (NCCL: no wait for in-flight
+    kernels) or destroyed (gloo: closes the connections, so a peer blocked in a collective gets
+    an error at once). Nothing here may raise over the user's exception.
+    """
+    try:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if dist.get_backend() == "nccl" and abort is not None:
+            abort()  # destroying would wait for this rank's kernels stuck on a dead peer
+        else:
+            dist.destroy_process_group()
+    except Exception:  # a broken group cannot be left more cleanly
+        pass

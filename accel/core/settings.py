@@ -1,0 +1,505 @@
+"""Every setting accel reads, defined once: names, kinds, choices, defaults and spellings.
+
+The environment (:mod:`accel.core.env`), ``accel.distributed()``, the config file
+(:mod:`accel.core.config_file`), ``accel launch``, ``accel config`` and the notebook launcher all
+take their keys, choices, defaults, boolean spellings and checks from here, so a value means
+the same wherever it is given. This module imports nothing from accel but :mod:`accel.errors`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, get_args
+
+import attrs
+
+from accel.errors import ConfigError, ConfigTypeError
+
+__all__ = [
+    "BACKENDS",
+    "COMM_HOOKS",
+    "COMM_WRAPPERS",
+    "DDP_CONFIG_KEYS",
+    "DDP_HOOK_KEYS",
+    "DDP_KEYWORDS",
+    "FSDP_KEYS",
+    "DEFAULT_CPU_PROCESSES",
+    "DEFAULT_PORT",
+    "DEFAULT_TIMEOUT_S",
+    "ENV_PREFIX",
+    "FALSE_WORDS",
+    "FP8_NOTE",
+    "MIXED_PRECISION_MODES",
+    "MODEL_KEYS",
+    "POLICY_KEYS",
+    "POWER_SGD_OPTIONS",
+    "SETTINGS",
+    "STRATEGIES",
+    "TRUE_WORDS",
+    "MixedPrecision",
+    "Spec",
+    "Strategy",
+    "allowed",
+    "check_power_sgd_options",
+    "cpu_count",
+    "did_you_mean",
+    "env_variable",
+    "parse_bool",
+    "toml_value",
+    "validate_setting",
+]
+
+MixedPrecision = Literal["no", "fp16", "bf16", "fp8"]
+Strategy = Literal["none", "ddp", "fsdp"]
+MIXED_PRECISION_MODES: tuple[str, ...] = get_args(MixedPrecision)
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
+"""The ``torch.distributed`` backends ``backend=`` accepts."""
+
+FP8_NOTE = (
+    "mixed_precision='fp8' runs as bf16 autocast: accel has no fp8 backend yet, so nothing "
+    "runs in fp8. `mixed_precision='bf16'` gives the same run and says so."
+)
+"""What ``distributed()`` warns (once per process) and ``accel env`` shows for ``fp8``."""
+
+DEFAULT_PORT = 29500
+"""The rendezvous port when none is given and none can be chosen or derived."""
+DEFAULT_TIMEOUT_S = 1800.0
+"""Seconds before a collective gives up, unless ``timeout`` says otherwise."""
+DEFAULT_CPU_PROCESSES = 2
+"""Processes per machine that the launchers start when there is no GPU and no count given."""
+ENV_PREFIX = "ACCEL_"
+"""Prefix of the variables through which ``accel launch`` passes settings to the workers."""
+
+TRUE_WORDS = ("1", "true", "yes", "y", "on")
+FALSE_WORDS = ("0", "false", "no", "n", "off")
+"""The boolean spellings, in the environment, the config file and ``accel config`` alike
+(case-insensitive)."""
+
+
+def parse_bool(text: str) -> bool | None:
+    """``True``/``False`` for a boolean spelling (any case, spaces ignored), else ``None``.
+
+    Example:
+        >>> parse_bool(" Yes "), parse_bool("0"), parse_bool("maybe")
+        (True, False, None)
+    """
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    return None
+
+
+def did_you_mean(key: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known name closest to ``key``, else ``""``.
+
+    Example:
+        >>> did_you_mean("mixed_precison", ["mixed_precision", "strategy"])
+        " (did you mean 'mixed_precision'?)"
+    """
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one), at least 1.
+
+    Example:
+        >>> cpu_count() >= 1
+        True
+    """
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# DDP options (Accelerate's DistributedDataParallelKwargs); accel.parallel.ddp applies them.
+DDP_KEYWORDS = (
+    "find_unused_parameters", "static_graph", "gradient_as_bucket_view", "bucket_cap_mb",
+    "broadcast_buffers",
+)
+"""Keywords passed to ``DistributedDataParallel`` as given."""
+DDP_HOOK_KEYS = ("comm_hook", "comm_wrapper", "comm_state_option", "comm_state")
+"""A communication hook with its wrapper and state (a callable or an object: code only)."""
+FSDP_KEYS = ("shard_modules", "reshard_after_forward", "cpu_offload")
+"""The strategy options of ``strategy="fsdp"``."""
+COMM_HOOKS = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")
+COMM_WRAPPERS = ("no", "fp16", "bf16")
+POWER_SGD_OPTIONS: Mapping[str, tuple[type, int]] = {
+    "matrix_approximation_rank": (int, 1),
+    "start_powerSGD_iter": (int, 0),
+    "min_compression_rate": (float, 0),
+    "use_error_feedback": (bool, 0),
+    "warm_start": (bool, 0),
+    "orthogonalization_epsilon": (float, 0),
+    "random_seed": (int, 0),
+    "compression_stats_logging_frequency": (int, 1),
+    "batch_tensors_with_same_shape": (bool, 0),
+}
+"""``comm_state_option`` keys (``PowerSGDState``'s arguments after ``process_group``): type
+and minimum."""
+
+
+def check_power_sgd_options(value: object, origin: str) -> dict[str, Any]:
+    """Check a ``comm_state_option`` table (PowerSGD options) and return it as a dict.
+
+    Raises:
+        ConfigError: not a mapping, an unknown key, or a value of the wrong type or range.
+
+    Example:
+        >>> check_power_sgd_options({"matrix_approximation_rank": 2}, "config")
+        {'matrix_approximation_rank': 2}
+    """
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"{origin}: DDP option comm_state_option={value!r} is invalid; it must be a dict "
+            f"of PowerSGD options (keys among {sorted(POWER_SGD_OPTIONS)}), e.g. "
+            "`accel.prepare_model(model, comm_state_option={'matrix_approximation_rank': 2})`."
+        )
+    out: dict[str, Any] = {}
+    for name, item in value.items():
+        spec = POWER_SGD_OPTIONS.get(name) if isinstance(name, str) else None
+        if spec is None:
+            hint = did_you_mean(str(name), POWER_SGD_OPTIONS)
+            raise ConfigError(
+                f"{origin}: comm_state_option has the unknown PowerSGD option {name!r}{hint}; "
+                f"the known ones are {sorted(POWER_SGD_OPTIONS)}, e.g. "
+                "`comm_state_option={'matrix_approximation_rank': 2}`."
+            )
+        kind, minimum = spec
+        ok = isinstance(item, bool) if kind is bool else (
+            isinstance(item, (int, float) if kind is float else int)
+            and not isinstance(item, bool)
+            and math.isfinite(item)
+            and item >= minimum
+        )
+        if not ok:
+            noun = {bool: "True or False", int: f"a whole number >= {minimum}",
+                    float: f"a number >= {minimum}"}[kind]
+            example = {bool: "True", int: "2", float: "2.0"}[kind]
+            raise ConfigError(
+                f"{origin}: comm_state_option[{name!r}]={item!r} is invalid; it must be {noun}, "
+                f"e.g. `comm_state_option={{{name!r}: {example}}}`."
+            )
+        out[name] = item
+    if out.get("start_powerSGD_iter", 1000) <= 1 and (
+        out.get("use_error_feedback", True) or out.get("warm_start", True)
+    ):
+        raise ConfigError(
+            f"{origin}: comm_state_option['start_powerSGD_iter']={out['start_powerSGD_iter']!r} "
+            "must be > 1 while use_error_feedback or warm_start is on (PowerSGD starts after "
+            "DDP's first two iterations). Use e.g. `{'start_powerSGD_iter': 2}`, or turn "
+            "both off: `{'use_error_feedback': False, 'warm_start': False}`."
+        )
+    return out
+
+
+Kind = Literal["int", "float", "bool", "str", "choice", "table", "blocks"]
+Layer = Literal["launch", "policy", "ddp", "model"]
+
+
+@attrs.frozen
+class Spec:
+    """One setting: its kind, meaning, default (``None``: decided at run time) and limits.
+
+    ``layer`` says who reads it: ``"launch"`` (``accel launch`` only), ``"policy"``
+    (``accel.distributed()``, also as an ``ACCEL_*`` variable), ``"ddp"`` (a DDP option) or
+    ``"model"`` (a ``prepare_model`` option run-wide: ``accel.state().options``, also as an
+    ``ACCEL_*`` variable). Kind ``"blocks"`` is true/false or module class names.
+    """
+
+    kind: Kind
+    help: str
+    default: object = None
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    maximum: float | None = None
+    layer: Layer = "launch"
+
+
+SETTINGS: Mapping[str, Spec] = {
+    # where the processes run (used by `accel launch`)
+    "num_machines": Spec("int", "machines (nodes) in the job", 1, minimum=1),
+    "num_processes": Spec(
+        "int", "processes in total, across all machines (default: one per GPU, else "
+        f"{DEFAULT_CPU_PROCESSES})", minimum=1,
+    ),
+    "machine_rank": Spec("int", "rank of this machine, 0 for the main one", 0, minimum=0),
+    "main_process_ip": Spec("str", "address of machine 0 (several machines)"),
+    "main_process_port": Spec(
+        "int", f"port on machine 0 (default: a free port on one machine, else {DEFAULT_PORT})",
+        minimum=1, maximum=65535,
+    ),
+    "max_restarts": Spec("int", "times the job restarts after a process fails", 0, minimum=0),
+    # the run-wide policy (read by accel.distributed(), also as ACCEL_<KEY>)
+    "mixed_precision": Spec(
+        "choice", "autocast precision (fp8 runs as bf16 for now)", "no",
+        choices=MIXED_PRECISION_MODES, layer="policy",
+    ),
+    "gradient_accumulation_steps": Spec(
+        "int", "batches per optimizer step", 1, minimum=1, layer="policy"
+    ),
+    "strategy": Spec(
+        "choice", "how models are wrapped (default: ddp with several processes, else none)",
+        choices=STRATEGIES, layer="policy",
+    ),
+    "backend": Spec(
+        "choice", "torch.distributed backend (default: nccl on CUDA, gloo on CPU)",
+        choices=BACKENDS, layer="policy",
+    ),
+    "cpu": Spec("bool", "run on the CPU even where GPUs are available", False, layer="policy"),
+    "debug": Spec(
+        "bool", "check every collective across ranks first (slower)", False, layer="policy"
+    ),
+    "timeout": Spec(
+        "float", "seconds before a collective gives up", DEFAULT_TIMEOUT_S, minimum=0.0,
+        layer="policy",
+    ),
+    "on_each_node": Spec(
+        "bool", "each machine's first process saves its own copy (no shared filesystem)", False,
+        layer="policy",
+    ),
+    # the device mesh (read by accel.distributed(), also as ACCEL_<KEY>)
+    "dp_replicate_size": Spec(
+        "int", "mesh: data-parallel replicas (HSDP's replicate dimension)", minimum=1,
+        layer="policy",
+    ),
+    "dp_shard_size": Spec(
+        "int", "mesh: processes each model is sharded over with FSDP", minimum=1,
+        layer="policy",
+    ),
+    "tp_size": Spec("int", "mesh: tensor-parallel degree", minimum=1, layer="policy"),
+    "cp_size": Spec(
+        "int", "mesh: context-parallel degree (not available on CPU)", minimum=1,
+        layer="policy",
+    ),
+    # DDP options (read by accel.prepare_model where it wraps a model in DDP)
+    "find_unused_parameters": Spec(
+        "bool", "DDP: allow parameters with no gradient", False, layer="ddp"
+    ),
+    "static_graph": Spec("bool", "DDP: the graph is the same every step", False, layer="ddp"),
+    "gradient_as_bucket_view": Spec(
+        "bool", "DDP: gradients are views of its buckets", False, layer="ddp"
+    ),
+    "bucket_cap_mb": Spec(
+        "float", "DDP: all-reduce bucket size in MB", 25.0, minimum=0.0, layer="ddp"
+    ),
+    "broadcast_buffers": Spec(
+        "bool", "DDP: copy rank 0's buffers to the others", True, layer="ddp"
+    ),
+    "comm_hook": Spec(
+        "choice", "DDP: gradient communication", "no", choices=COMM_HOOKS, layer="ddp"
+    ),
+    "comm_wrapper": Spec(
+        "choice", "DDP: cast the hook's input", "no", choices=COMM_WRAPPERS, layer="ddp"
+    ),
+    "comm_state_option": Spec(
+        "table", "DDP: PowerSGD options (an inline table)", {}, layer="ddp"
+    ),
+    # model options (read by accel.prepare_model, also as ACCEL_<KEY>)
+    "activation_checkpointing": Spec(
+        "blocks", "recompute each block's activations in the backward (true, or block class "
+        "names)", False, layer="model",
+    ),
+}
+"""Every config key, its kind, meaning, default (``None``: decided at run time) and limits."""
+
+POLICY_KEYS = tuple(key for key, spec in SETTINGS.items() if spec.layer == "policy")
+"""The settings ``accel.distributed()`` reads: argument > ``ACCEL_<KEY>`` > config file."""
+DDP_CONFIG_KEYS = tuple(key for key, spec in SETTINGS.items() if spec.layer == "ddp")
+"""The DDP options a config file can hold (a callable hook or a state object cannot)."""
+MODEL_KEYS = tuple(key for key, spec in SETTINGS.items() if spec.layer == "model")
+"""The ``prepare_model`` options set run-wide: argument > ``ACCEL_<KEY>`` > config file."""
+
+
+def env_variable(key: str) -> str:
+    """The environment variable of a policy setting.
+
+    Example:
+        >>> env_variable("mixed_precision")
+        'ACCEL_MIXED_PRECISION'
+    """
+    return ENV_PREFIX + key.upper()
+
+
+def allowed(spec: Spec) -> str:
+    """The values a setting accepts, in words (for messages and prompts).
+
+    Example:
+        >>> allowed(SETTINGS["cpu"])
+        'true or false (also 1/0, yes/no, y/n, on/off)'
+    """
+    if spec.kind == "choice":
+        return f"one of {list(spec.choices)}"
+    if spec.kind == "bool":
+        pairs = ", ".join(f"{t}/{f}" for t, f in zip(TRUE_WORDS, FALSE_WORDS, strict=True)
+                          if t != "true")
+        return f"true or false (also {pairs})"
+    if spec.kind == "str":
+        return "a non-empty string"
+    if spec.kind == "table":
+        return "an inline table"
+    if spec.kind == "blocks":
+        return "true or false, or module class names separated by commas"
+    low = "" if spec.minimum is None else f" >= {spec.minimum:g}"
+    high = "" if spec.maximum is None else f" and <= {spec.maximum:g}"
+    noun = "a whole number" if spec.kind == "int" else "a number"
+    if spec.kind == "float" and spec.minimum == 0.0:
+        low = " > 0"
+    return f"{noun}{low}{high}"
+
+
+def toml_value(value: object) -> str:
+    """``value`` as a TOML literal (bool, int, float, str or a flat inline table).
+
+    Raises:
+        ConfigError: a value the flat config file cannot hold.
+
+    Example:
+        >>> toml_value(True), toml_value("bf16")
+        ('true', '"bf16"')
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        for code in (*range(0x20), 0x7F):
+            escaped = escaped.replace(chr(code), f"\\u{code:04X}")
+        return f'"{escaped}"'
+    raise ConfigTypeError(
+        f"Cannot write {value!r} (a {type(value).__name__}) to the flat accel config file; a "
+        "setting is a bool, a number, a string or (comm_state_option) an inline table."
+    )
+
+
+def _example(spec: Spec) -> object:
+    if spec.kind == "table":
+        return {"matrix_approximation_rank": 2}
+    if spec.kind == "blocks":
+        return True
+    if spec.default is not None:
+        return spec.default
+    if spec.kind == "choice":
+        return spec.choices[0]
+    if spec.kind == "str":
+        return "10.0.0.1"
+    if spec.kind == "bool":
+        return True
+    return int(spec.minimum or 0) + 1
+
+
+def _invalid(key: str, value: object, spec: Spec, origin: str, variable: str | None) -> ConfigError:
+    example = _example(spec)
+    if variable is not None:
+        text = "1" if isinstance(example, bool) else str(example)
+        return ConfigError(
+            f"Environment variable {variable}={value!r} is invalid; {key} must be "
+            f"{allowed(spec)}. Unset it or set e.g. `{variable}={text}`."
+        )
+    return ConfigError(
+        f"{origin}: {key}={value!r} is invalid; it must be {allowed(spec)}. "
+        f"Fix it, e.g. `{key} = {toml_value(example)}`, or remove it to use the default."
+    )
+
+
+def validate_setting(
+    key: str, value: object, origin: str = "config", *, variable: str | None = None
+) -> object:
+    """Check one setting and convert text (from the environment or a prompt) to its kind.
+
+    Args:
+        key: a key of :data:`SETTINGS`.
+        value: the value, already typed (from TOML or Python) or as text.
+        origin: where it came from, for the error message (e.g. the file path).
+        variable: the environment variable it came from; phrases the error for it.
+
+    Returns:
+        The value as int, float, bool, str or (``comm_state_option``) dict; a ``"blocks"``
+        setting gives a bool or its class names as one comma-separated string.
+
+    Raises:
+        ConfigError: unknown key, or a value of the wrong kind or out of range; the message
+            names the key, the value and the allowed values.
+
+    Example:
+        >>> validate_setting("gradient_accumulation_steps", "4")
+        4
+    """
+    spec = SETTINGS.get(key)
+    if spec is None:
+        raise ConfigError(
+            f"{origin}: unknown setting {key!r}{did_you_mean(key, SETTINGS)}; the known ones "
+            f"are {sorted(SETTINGS)}. "
+            "Remove or rename it (`accel config` writes a valid file)."
+        )
+    if spec.kind == "table":
+        return check_power_sgd_options(value, origin)
+    if spec.kind == "blocks":
+        return _blocks(key, value, spec, origin, variable)
+    if spec.kind == "bool":
+        if isinstance(value, bool):
+            return value
+        parsed = parse_bool(value) if isinstance(value, str) else None
+        if parsed is None:
+            raise _invalid(key, value, spec, origin, variable)
+        return parsed
+    if spec.kind in ("choice", "str"):
+        if not isinstance(value, str) or not value.strip():
+            raise _invalid(key, value, spec, origin, variable)
+        text = value.strip()
+        if spec.kind == "choice":
+            text = text.lower()
+            if text not in spec.choices:
+                raise _invalid(key, value, spec, origin, variable)
+        return text
+    return _number(key, value, spec, origin, variable)
+
+
+def _blocks(key: str, value: object, spec: Spec, origin: str, variable: str | None) -> object:
+    """A boolean spelling, or class names separated by commas (``"GPT2Block, MLP"``)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        parsed = parse_bool(value)
+        if parsed is not None:
+            return parsed
+        names = [name.strip() for name in value.split(",")]
+        if all(name.isidentifier() for name in names):
+            return ", ".join(names)
+    raise _invalid(key, value, spec, origin, variable)
+
+
+def _number(key: str, value: object, spec: Spec, origin: str, variable: str | None) -> float:
+    number: float
+    if isinstance(value, bool):
+        raise _invalid(key, value, spec, origin, variable)
+    if spec.kind == "int" and isinstance(value, float):
+        raise _invalid(key, value, spec, origin, variable)
+    try:
+        if spec.kind == "int":
+            number = int(value.strip()) if isinstance(value, str) else int(str(value))
+        else:
+            number = float(value) if isinstance(value, (int, float, str)) else float(str(value))
+    except ValueError:
+        raise _invalid(key, value, spec, origin, variable) from None
+    if not math.isfinite(number):
+        raise _invalid(key, value, spec, origin, variable)
+    if spec.minimum is not None:
+        too_low = number <= spec.minimum if spec.kind == "float" else number < spec.minimum
+        if too_low:
+            raise _invalid(key, value, spec, origin, variable)
+    if spec.maximum is not None and number > spec.maximum:
+        raise _invalid(key, value, spec, origin, variable)
+    return number

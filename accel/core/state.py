@@ -1,0 +1,462 @@
+"""The process state: one frozen value in one ContextVar.
+
+``distributed()`` sets it for a block; every accel function reads it with :func:`state`.
+Outside any block the state is derived on each call from what already exists (an initialised
+process group, the launch environment) without side effects.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from types import MappingProxyType
+from typing import Any, Generic, NoReturn, TypeVar
+
+import attrs
+import torch
+
+from accel.core.env import LaunchEnv, read_launch_env
+from accel.core.settings import (
+    DEFAULT_TIMEOUT_S,
+    MIXED_PRECISION_MODES,
+    STRATEGIES,
+    MixedPrecision,
+    Strategy,
+)
+from accel.errors import ConfigError, StateFrozenError
+
+__all__ = [
+    "ProcessState",
+    "Scope",
+    "ScopeSlot",
+    "at_block_exit",
+    "current_gate",
+    "gated",
+    "reset_detached_scope",
+    "resolve_policy",
+    "run_exit_steps",
+    "scope",
+    "set_state",
+    "state",
+]
+
+_MIXED_PRECISION = MIXED_PRECISION_MODES
+_STRATEGIES = STRATEGIES
+
+
+def _frozen_mapping(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(value))
+
+
+@attrs.frozen(kw_only=True)
+class ProcessState:
+    """Where this process stands in the job, and the run-wide training policy.
+
+    Immutable: make a changed copy with ``attrs.evolve`` or a nested ``accel.distributed(...)``.
+    Setting or deleting an attribute raises :class:`~accel.errors.StateFrozenError`.
+
+    Example:
+        >>> st = accel.state()
+        >>> st.rank, st.world_size, st.is_main_process
+        (0, 1, True)
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    mixed_precision: MixedPrecision = "no"
+    gradient_accumulation_steps: int = 1
+    strategy: Strategy = "none"
+    debug: bool = False
+    timeout: float = DEFAULT_TIMEOUT_S
+    seed: int | None = None
+    on_each_node: bool = False
+    options: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=_frozen_mapping, eq=False, repr=False
+    )
+    mesh_shape: tuple[int, int, int] | None = None
+    """``(dp_replicate, dp_shard, tp)`` sizes when the block has a device mesh."""
+    mesh: Any = attrs.field(default=None, eq=False, repr=False)
+    """The block's torch ``DeviceMesh`` (dims ``dp_replicate``, ``dp_shard``, ``tp``), or None."""
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on global rank 0."""
+        return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """True on the first process of each machine."""
+        return self.local_rank == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        """True on the highest global rank."""
+        return self.rank == self.world_size - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        """True when the job has more than one process."""
+        return self.world_size > 1
+
+    @property
+    def tp_world_size(self) -> int:
+        """Processes in this rank's tensor-parallel group (1 without a ``tp`` mesh dim)."""
+        return 1 if self.mesh_shape is None else self.mesh_shape[2]
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its tensor-parallel group (the mesh's innermost dim)."""
+        return self.rank % self.tp_world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        """Processes that see different batches: ``world_size / tp_world_size``."""
+        return self.world_size // self.tp_world_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which share of the batches it sees."""
+        return self.rank // self.tp_world_size
+
+
+# What to write instead of assigning to a state attribute.
+_NESTED = ("mixed_precision", "gradient_accumulation_steps", "strategy", "debug", "timeout",
+           "on_each_node")
+_LAUNCH_FACTS = ("rank", "local_rank", "world_size", "local_world_size", "node_rank",
+                 "num_nodes", "is_main_process", "is_local_main_process", "is_last_process",
+                 "use_distributed", "tp_world_size", "tp_rank", "dp_world_size", "dp_rank")
+_OUTERMOST = {
+    "backend": "`accel.distributed(backend=...)`",
+    "device": "`accel.distributed(cpu=True)` (or the launcher's device choice)",
+    "seed": "`accel.distributed(seed=...)`",
+    "mesh": "`accel.distributed(dp_shard_size=..., tp_size=...)`",
+    "mesh_shape": "`accel.distributed(dp_shard_size=..., tp_size=...)`",
+}
+
+
+def _frozen_advice(name: str, value: object, verb: str) -> str:
+    head = f"accel.state() is immutable: cannot {verb} {name!r}"
+    if verb == "set":
+        head += f" to {value!r}"
+    shown = "n" if verb == "delete" else repr(value)
+    if name in _NESTED:
+        return (
+            f"{head}. Change it for a block instead: "
+            f"`with accel.distributed({name}={shown}):` nested inside the outer block."
+        )
+    if name in _LAUNCH_FACTS:
+        return f"{head}: {name} is a fact of the launch and cannot change."
+    if name in _OUTERMOST:
+        return (
+            f"{head}: it is chosen once, by the outermost {_OUTERMOST[name]}; "
+            "nested blocks reuse the process group."
+        )
+    if name == "options":
+        return (
+            f"{head}. Pass extra options as keywords of a nested block: "
+            "`with accel.distributed(my_option=value):`."
+        )
+    return (
+        f"{head}: ProcessState has no field {name!r} (fields: "
+        f"{[field.name for field in attrs.fields(ProcessState)]})."
+    )
+
+
+def _refuse_setattr(self: ProcessState, name: str, value: object) -> NoReturn:
+    raise StateFrozenError(_frozen_advice(name, value, "set"))
+
+
+def _refuse_delattr(self: ProcessState, name: str) -> NoReturn:
+    raise StateFrozenError(_frozen_advice(name, None, "delete"))
+
+
+# attrs writes its own refusing __setattr__/__delattr__ on frozen classes (and builds, copies
+# and evolves instances with object.__setattr__), so the explaining ones replace them here.
+ProcessState.__setattr__ = _refuse_setattr  # type: ignore[method-assign,assignment]
+ProcessState.__delattr__ = _refuse_delattr  # type: ignore[method-assign,assignment]
+
+
+@attrs.define(eq=False)
+class Scope:
+    """Mutable per-``distributed()`` record: facts shared by the functions of one scope.
+
+    Owned by the outermost ``distributed()`` block (shared by nested ones); outside any block,
+    one detached record serves the process (see :func:`scope`). Facts read by several modules
+    are typed fields here; a value private to one module lives in a :class:`ScopeSlot` that
+    module owns.
+    """
+
+    created_group: bool = False
+    trigger: bool = False
+    collective_seq: int = 0
+    # training path: whether the current step syncs gradients (accumulate() sets it; prepared
+    # optimizers/schedulers read it), the prepared loaders being iterated (innermost last;
+    # each has ``end_of_dataloader`` and ``remainder``), and the fp16 GradScaler if any.
+    sync_gradients: bool = True
+    active_loaders: list[Any] = attrs.field(factory=list)
+    grad_scaler: Any = None
+    # batches since the last sync step of accumulate() called without models (None: it never
+    # ran); read through accel.training.accumulation.accumulation_step / set_accumulation_step.
+    accumulation_step: int | None = None
+    # the prepared optimizers of this scope (for unscale_gradients() with no argument, ...).
+    optimizers: list[weakref.ref[Any]] = attrs.field(factory=list)
+    # the even_batches of the innermost join_uneven_inputs(..., even_batches=...) block, read
+    # by loaders that start iterating inside it (None: each loader's own setting).
+    even_batches_override: bool | None = None
+    # what features must do when the block ends (finish an async save, restore signal
+    # handlers, release DDP reducers): registered with at_block_exit, run by distributed().
+    exit_steps: list[Callable[[bool], None]] = attrs.field(factory=list)
+    _slots: dict[ScopeSlot[Any], Any] = attrs.field(factory=dict, alias="_slots")
+
+
+T = TypeVar("T")
+
+
+class ScopeSlot(Generic[T]):
+    """A per-scope value private to the module that creates the slot (typed, no string keys).
+
+    Example:
+        >>> _WATCH: ScopeSlot[Watch] = ScopeSlot("accel.preemption watch")
+        >>> watch = _WATCH.get_or_create(Watch)
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"ScopeSlot({self.name!r})"
+
+    def get(self, record: Scope | None = None) -> T | None:
+        """The value in ``record`` (default: the current scope), or ``None``."""
+        found: T | None = (scope() if record is None else record)._slots.get(self)
+        return found
+
+    def get_or_create(self, factory: Callable[[], T], record: Scope | None = None) -> T:
+        """The value, made with ``factory()`` and stored on first use."""
+        slots = (scope() if record is None else record)._slots
+        if self in slots:
+            value: T = slots[self]
+            return value
+        created = slots[self] = factory()
+        return created
+
+    def set(self, value: T, record: Scope | None = None) -> None:
+        """Store ``value`` for this slot."""
+        (scope() if record is None else record)._slots[self] = value
+
+    def pop(self, record: Scope | None = None) -> T | None:
+        """Remove and return the value (``None`` when there was none)."""
+        popped: T | None = (scope() if record is None else record)._slots.pop(self, None)
+        return popped
+
+
+_STATE: contextvars.ContextVar[ProcessState] = contextvars.ContextVar("accel_state")
+_SCOPE: contextvars.ContextVar[Scope] = contextvars.ContextVar("accel_scope")
+_GATE: contextvars.ContextVar[str | None] = contextvars.ContextVar("accel_gate", default=None)
+
+
+def state() -> ProcessState:
+    """The current process state.
+
+    Inside ``with accel.distributed(...)`` it is the block's state; outside it is derived from
+    an initialised ``torch.distributed`` group or the launch environment, with no side effects.
+
+    Example:
+        >>> if accel.state().is_main_process:
+        ...     print("only once")
+    """
+    current = _STATE.get(None)
+    if current is not None:
+        return current
+    return derive_state()
+
+
+def has_active_state() -> bool:
+    """Whether a ``distributed()`` block (or a test override) is active in this context."""
+    return _STATE.get(None) is not None
+
+
+@contextmanager
+def set_state(new: ProcessState, new_scope: Scope | None = None) -> Iterator[ProcessState]:
+    """Make ``new`` the state (and ``new_scope`` the scope) for the block, then restore."""
+    token = _STATE.set(new)
+    scope_token = _SCOPE.set(new_scope) if new_scope is not None else None
+    try:
+        yield new
+    finally:
+        if scope_token is not None:
+            _SCOPE.reset(scope_token)
+        _STATE.reset(token)
+
+
+_DETACHED: list[Scope] = []  # the record used outside any block (made on first use)
+
+
+def scope() -> Scope:
+    """The scope record of the active ``distributed()`` block.
+
+    Outside any block, one detached record serves the process: nothing is set in the caller's
+    context (a ``set_trigger()`` there does not leave a ``Scope`` in the ContextVar).
+    """
+    current = _SCOPE.get(None)
+    if current is not None:
+        return current
+    if not _DETACHED:
+        _DETACHED.append(Scope())
+    return _DETACHED[0]
+
+
+def at_block_exit(step: Callable[[bool], None], record: Scope | None = None) -> None:
+    """Run ``step(failed)`` when the ``distributed()`` block of ``record`` (default: the
+    current scope) ends, once, however often it is registered.
+
+    ``failed`` is True when an exception leaves the block: the step must then make no
+    collective. Steps run last registered first, while the block's state is still set and
+    before the process group it created is destroyed. Outside any block nothing runs them.
+
+    Example:
+        >>> at_block_exit(lambda failed: watch.finish(failed=failed))
+    """
+    steps = (scope() if record is None else record).exit_steps
+    if step not in steps:
+        steps.append(step)
+
+
+def run_exit_steps(record: Scope, *, failed: bool) -> None:
+    """Run the block's exit steps (last registered first); used by ``distributed()``.
+
+    A step that raises makes the later ones run as after a failure; the first error is
+    raised once every step has run.
+    """
+    error: BaseException | None = None
+    while record.exit_steps:
+        step = record.exit_steps.pop()
+        try:
+            step(failed or error is not None)
+        except BaseException as exc:
+            if error is None:
+                error = exc
+    if error is not None:
+        raise error
+
+
+def reset_detached_scope() -> None:
+    """Forget the record used outside any block (for test isolation)."""
+    _DETACHED.clear()
+
+
+def current_gate() -> str | None:
+    """The description of the rank gate this code runs inside, or ``None``."""
+    return _GATE.get()
+
+
+@contextmanager
+def gated(description: str) -> Iterator[None]:
+    """Mark the block as running on a subset of ranks (collectives inside raise)."""
+    token = _GATE.set(description)
+    try:
+        yield
+    finally:
+        _GATE.reset(token)
+
+
+def best_device(local_rank: int, *, cpu: bool = False) -> torch.device:
+    """CUDA device ``local_rank % device_count`` when CUDA is usable, else the CPU."""
+    if not cpu and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...], example: str) -> str:
+    if value not in choices:
+        raise ConfigError(
+            f"{name}={value!r} is not supported; choose one of {list(choices)}, "
+            f"e.g. `accel.distributed({name}={example!r})`."
+        )
+    return value
+
+
+def resolve_policy(
+    env: LaunchEnv,
+    *,
+    world_size: int,
+    mixed_precision: str | None = None,
+    gradient_accumulation_steps: int | None = None,
+    strategy: str | None = None,
+    debug: bool | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """Resolve the policy fields: explicit argument, then the environment, then defaults."""
+    mp = mixed_precision if mixed_precision is not None else env.mixed_precision
+    mp = _choice("mixed_precision", (mp or "no").lower(), _MIXED_PRECISION, "bf16")
+    gas = gradient_accumulation_steps
+    if gas is None:
+        gas = env.gradient_accumulation_steps if env.gradient_accumulation_steps else 1
+    if isinstance(gas, bool) or not isinstance(gas, int) or gas < 1:
+        raise ConfigError(
+            f"gradient_accumulation_steps={gas!r} must be an integer >= 1, "
+            "e.g. `accel.distributed(gradient_accumulation_steps=4)`."
+        )
+    strat = strategy if strategy is not None else env.strategy
+    if strat is None:
+        strat = "ddp" if world_size > 1 else "none"
+    strat = _choice("strategy", strat.lower(), _STRATEGIES, "ddp")
+    if debug is not None and not isinstance(debug, bool):
+        raise ConfigError(
+            f"debug={debug!r} must be True or False, e.g. `accel.distributed(debug=True)`."
+        )
+    dbg = debug if debug is not None else bool(env.debug)
+    raw = timeout if timeout is not None else env.timeout
+    try:
+        to = DEFAULT_TIMEOUT_S if raw is None else float(raw)
+    except (TypeError, ValueError, OverflowError):
+        to = -1.0
+    if isinstance(raw, bool) or not 0 < to < float("inf"):
+        raise ConfigError(
+            f"timeout={raw!r} must be a positive number of seconds, "
+            "e.g. `accel.distributed(timeout=600)`."
+        )
+    return {
+        "mixed_precision": mp,
+        "gradient_accumulation_steps": gas,
+        "strategy": strat,
+        "debug": dbg,
+        "timeout": to,
+    }
+
+
+def derive_state(env: LaunchEnv | None = None) -> ProcessState:
+    """The state outside any ``distributed()`` block; reads, never initialises anything."""
+    env = read_launch_env() if env is None else env
+    rank, world = env.rank, env.world_size
+    local_rank, local_world = env.local_rank, env.local_world_size
+    backend: str | None = None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank = torch.distributed.get_rank()
+        world = torch.distributed.get_world_size()
+        backend = str(torch.distributed.get_backend())
+        if env.world_size != world:  # group not made from this environment: one node
+            local_rank, local_world = rank, world
+    device = best_device(local_rank, cpu=bool(env.cpu) or backend == "gloo")
+    return ProcessState(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=rank // max(1, local_world),
+        num_nodes=max(1, -(-world // max(1, local_world))),
+        device=device,
+        backend=backend,
+        on_each_node=bool(env.on_each_node),
+        **resolve_policy(env, world_size=world),
+    )

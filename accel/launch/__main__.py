@@ -1,8 +1,0 @@
-"""``python -m accel.launch [launch] script.py ...``: the ``accel`` command."""
-
-from __future__ import annotations
-
-from accel.launch.cli import exit_process, module_main
-
-if __name__ == "__main__":
-    exit_process(module_main())

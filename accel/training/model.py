@@ -1,0 +1,324 @@
+"""Prepare a model for the run (device, mixed precision forward, DDP or FSDP2, compile) and
+unwrap it.
+
+FSDP2 (``strategy="fsdp"``, ``torch.distributed.fsdp.fully_shard``) lives in
+``accel/parallel/fsdp.py`` (imported only when that strategy is used); this module dispatches to
+it. Nothing else in the training path assumes DDP: accumulation, clipping and the optimizer
+wrapper work on any module.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from accel.core.options import BlockChoice, BlockSpec, blocks_option
+from accel.core.settings import STRATEGIES
+from accel.core.state import state
+from accel.errors import ArgumentTypeError, ConfigError
+from accel.parallel.blockwise import checkpoint_blocks, compile_blocks, compile_plan
+from accel.parallel.ddp import DDPOptions, ddp_options, make_ddp, note_ignored
+from accel.parallel.ddp_teardown import watch_reducers
+from accel.parallel.fsdp_params import mark_replaced
+from accel.precision.casting import AutocastForward, autocast_dtype
+
+__all__ = ["is_prepared", "prepare_model", "unwrap_model"]
+
+# Attribute names kept in a module's __dict__ (written there directly: nn.Module.__setattr__
+# would register a module value as a submodule, and is slower).
+_PREPARED = "_accel_prepared"  # weakref to the object prepare_model returned
+
+
+def is_prepared(model: nn.Module) -> bool:
+    """Whether ``model`` was returned by (or given to) :func:`prepare_model`.
+
+    Example:
+        >>> is_prepared(accel.prepare_model(nn.Linear(2, 2)))
+        True
+    """
+    return _prepared_result(model) is not None
+
+
+def _prepared_result(model: nn.Module) -> nn.Module | None:
+    ref = model.__dict__.get(_PREPARED)
+    return ref() if ref is not None else None
+
+
+def _mark(module: nn.Module, result: nn.Module) -> None:
+    module.__dict__[_PREPARED] = weakref.ref(result)
+
+
+def _resolve_strategy(strategy: str | None) -> str:
+    chosen = state().strategy if strategy is None else strategy
+    if chosen not in STRATEGIES:
+        raise ConfigError(
+            f"strategy={chosen!r} is not supported; choose one of {list(STRATEGIES)}, "
+            "e.g. `accel.prepare_model(model, strategy='ddp')`."
+        )
+    return chosen
+
+
+def _install_autocast_forward(module: nn.Module) -> None:
+    current = module.__dict__.get("forward")
+    if isinstance(current, AutocastForward):
+        return
+    st = state()
+    module.__dict__["forward"] = AutocastForward(
+        module.forward,
+        instance_attribute=current is not None,
+        dtype=autocast_dtype(st.mixed_precision),
+        device_type=st.device.type,
+    )
+
+
+def _compiled_inner(model: nn.Module) -> nn.Module | None:
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    if dynamo is None:  # nothing was compiled in this process
+        return None
+    if isinstance(model, dynamo.OptimizedModule):
+        inner: nn.Module = model._orig_mod
+        return inner
+    return None
+
+
+def _wrap_ddp(module: nn.Module, device: torch.device, options: DDPOptions) -> nn.Module:
+    placement: dict[str, Any] = {}
+    if device.type == "cuda" and device.index is not None:
+        placement = {"device_ids": [device.index], "output_device": device.index}
+    watch_reducers()
+    return make_ddp(module, options, placement)
+
+
+def _checkpointing_choice(given: object, run_options: Mapping[str, Any]) -> BlockChoice:
+    """``prepare_model``'s ``activation_checkpointing``, else the run's, checked."""
+    if given is not None:
+        return blocks_option(given, "activation_checkpointing", "accel.prepare_model")
+    return blocks_option(
+        run_options.get("activation_checkpointing"), "activation_checkpointing",
+        "accel.distributed(), ACCEL_ACTIVATION_CHECKPOINTING or the config file",
+    )
+
+
+def _no_ddp_reason(chosen: str, world_size: int, evaluation_mode: bool, model: nn.Module) -> str:
+    """Why no DDP wrapper applies, or ``""`` when one does."""
+    if world_size == 1:
+        return "one process"
+    if chosen != "ddp":
+        return f"strategy={chosen!r}"
+    if evaluation_mode:
+        return "evaluation_mode=True"
+    if not any(p.requires_grad for p in model.parameters()):
+        return "the model has no trainable parameter"
+    return ""
+
+
+def _split_tensor_parallel(model: nn.Module, tp_plan: object, device_placement: bool) -> bool:
+    """Apply ``tp_plan`` on the state's mesh; whether the model was split.
+
+    Without a plan under a ``tp`` dim > 1, a model that carries its own plan (transformers)
+    is split by it (``"auto"``); any other model is left whole on every TP rank (said once).
+    """
+    st = state()
+    if tp_plan is None:
+        if st.tp_world_size == 1:
+            return False
+        from accel.parallel.tensor_parallel import carries_plan, note_left_whole
+
+        if not carries_plan(model):
+            note_left_whole(model, st.tp_world_size)
+            return False
+        tp_plan = "auto"
+    from accel.parallel.tensor_parallel import apply_tensor_parallel
+
+    if device_placement:
+        model.to(st.device)
+    before = dict(model.named_parameters())
+    split = apply_tensor_parallel(model, tp_plan, st.mesh)
+    if split:
+        mark_replaced(model, before)  # an optimizer made before prepare_model is moved over
+    return split
+
+
+def prepare_model(
+    model: nn.Module,
+    *,
+    device_placement: bool = True,
+    strategy: Literal["none", "ddp", "fsdp"] | None = None,
+    compile: bool | Literal["regional"] | Mapping[str, Any] = False,
+    evaluation_mode: bool = False,
+    activation_checkpointing: bool | BlockSpec | Iterable[BlockSpec] | None = None,
+    tp_plan: str | Mapping[str, Any] | None = None,
+    **strategy_options: Any,
+) -> nn.Module:
+    """Make ``model`` ready for the run: device, mixed precision forward, DDP or FSDP2, compile.
+
+    In order: the model moves to ``accel.state().device``; under mixed precision (bf16/fp16)
+    its ``forward`` is wrapped once to run in autocast and return floating outputs as fp32
+    (Accelerate's ``convert_outputs_to_fp32``); with several processes and the ``"ddp"``
+    strategy it is wrapped in :class:`~torch.nn.parallel.DistributedDataParallel` (gloo on
+    CPU without ``device_ids``, CUDA with ``device_ids=[device.index]``) unless
+    ``evaluation_mode`` is set or it has no trainable parameter; ``compile=True`` applies
+    :func:`torch.compile` last. Preparing the result (or the original module) again returns
+    the same object.
+
+    With ``strategy="fsdp"`` the model is sharded in place with FSDP2's ``fully_shard``
+    instead of being wrapped in DDP (see ``docs/fsdp.md``): each block named by
+    ``shard_modules`` and then the root; under mixed precision a ``MixedPrecisionPolicy``
+    casts the all-gathered parameters and gradient reductions to bf16/fp16 while the sharded
+    parameters stay fp32, and the autocast forward wrapper is installed as well. Prepare the
+    model before creating its optimizer (or pass both to :func:`accel.prepare`): sharding
+    replaces the parameters. On one process the model is not sharded (an info note says so).
+
+    ``activation_checkpointing`` and ``compile="regional"`` act on the model's blocks (see
+    ``docs/activation_checkpointing.md``): the ones FSDP shards one by one (the model's
+    ``_no_split_modules``, else the children of its largest ``nn.ModuleList``/
+    ``nn.Sequential``; FSDP's ``shard_modules`` when given), or the classes named. Their
+    activations are recomputed in the backward with torch's non-reentrant
+    ``torch.utils.checkpoint`` (before any sharding or DDP wrapper), and each is compiled in
+    place with ``torch.compile`` (after FSDP sharding). Names and state dict keys do not change.
+
+    Args:
+        model: the user's module.
+        device_placement: move the model to the state's device.
+        strategy: ``"none"``, ``"ddp"`` or ``"fsdp"``; default ``accel.state().strategy``.
+        compile: wrap the result with :func:`torch.compile`; ``"regional"`` compiles each
+            block instead; a mapping is passed to it as options, e.g.
+            ``{"mode": "max-autotune"}`` or ``{"backend": "eager"}``, and may hold
+            ``"regional"`` (``True`` or block classes, as for ``activation_checkpointing``).
+        evaluation_mode: prepare for inference only (no DDP wrapper, no FSDP sharding).
+        activation_checkpointing: ``True`` (the blocks), a block class, a class name, or an
+            iterable of them; default ``accel.distributed(activation_checkpointing=...)``,
+            ``ACCEL_ACTIVATION_CHECKPOINTING`` or the config file, else off.
+        tp_plan: tensor parallelism over the mesh's ``tp`` dim (``accel.distributed(
+            tp_size=...)``): ``{module-name pattern: style}`` or ``"auto"`` (a transformers
+            model's own plan), see ``docs/parallelism.md``; by default ``"auto"`` for a model
+            that carries a plan, else none (the model stays whole on every TP rank). Applied
+            first; then FSDP over the data-parallel dims (``dp_shard``, HSDP with
+            ``dp_replicate``), or replicas kept in sync over ``dp_replicate`` (FSDP2 with a
+            shard size of 1).
+        **strategy_options: with ``strategy="fsdp"``: ``shard_modules`` (a module class, a
+            class name, or an iterable of them), ``reshard_after_forward`` (default ``True``)
+            and ``cpu_offload`` (default ``False``), overriding those of
+            ``accel.distributed()``. Otherwise DDP options, overriding those of
+            ``accel.distributed()`` and the config file key by key:
+            ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
+            ``bucket_cap_mb``, ``broadcast_buffers``,
+            ``comm_hook`` (``"no"``, ``"fp16"``, ``"bf16"``, ``"power_sgd"``,
+            ``"batched_power_sgd"`` or a callable ``hook(state, bucket)``), ``comm_wrapper``
+            (``"no"``, ``"fp16"``, ``"bf16"``), ``comm_state_option`` (PowerSGD options) and
+            ``comm_state`` (the state of a callable hook). Checked on every world size;
+            where no DDP wrapper applies they are ignored (said once, at debug level).
+
+    Returns:
+        The module to train with (the model itself, sharded in place under FSDP, a DDP
+        wrapper, or a compiled module).
+
+    Raises:
+        ConfigError: unknown strategy, unknown DDP/FSDP option, invalid option value, a
+            ``shard_modules`` or ``activation_checkpointing`` class that occurs nowhere in the
+            model, or no blocks found for ``True``/``"regional"``.
+
+    Example:
+        >>> with accel.distributed(mixed_precision="bf16"):
+        ...     model = accel.prepare_model(nn.Linear(4, 2))
+        ...     model(torch.ones(1, 4)).dtype
+        torch.float32
+    """
+    if not isinstance(model, nn.Module):
+        raise ArgumentTypeError(
+            f"prepare_model expects a torch.nn.Module, got {type(model).__name__} "
+            f"{model!r:.60}. "
+            "Pass the model itself, e.g. `accel.prepare_model(model)`."
+        )
+    plan = compile_plan(compile)
+    existing = _prepared_result(model)
+    if existing is not None:
+        return existing
+    chosen = _resolve_strategy(strategy)
+    st = state()
+    checkpointing = _checkpointing_choice(activation_checkpointing, st.options)
+    shard_modules = None
+    split = _split_tensor_parallel(model, tp_plan, device_placement)
+    if split and chosen != "fsdp":
+        # TP weights are DTensors, which DDP cannot sync: FSDP2 keeps the data-parallel
+        # replicas in sync instead (a shard size of 1 when only dp_replicate is set).
+        note_ignored(ddp_options(st.options, {}), "tensor parallelism")
+        chosen = "fsdp" if st.dp_world_size > 1 and not evaluation_mode else "none"
+        strategy_options = {}
+    if chosen == "fsdp":
+        from accel.parallel import fsdp  # torch.distributed.fsdp loads only for this strategy
+
+        sharding = fsdp.fsdp_options(st.options, strategy_options)
+        shard_modules = sharding.shard_modules
+        if checkpointing is not False:  # before sharding: FSDP's hooks stay outside
+            checkpoint_blocks(model, checkpointing, shard_modules=shard_modules)
+        model = fsdp.shard_model(
+            model, sharding, evaluation_mode=evaluation_mode, device_placement=device_placement
+        )
+    else:
+        ddp = ddp_options(st.options, strategy_options)
+        if checkpointing is not False:
+            checkpoint_blocks(model, checkpointing)
+        if device_placement:
+            model = model.to(st.device)
+    if plan is not None and plan.regional is not False:  # in place, after sharding
+        compile_blocks(model, plan.regional, plan.options, shard_modules=shard_modules)
+    if st.mixed_precision != "no":
+        _install_autocast_forward(model)
+    result: nn.Module = model
+    if chosen != "fsdp" and not split:
+        no_ddp = _no_ddp_reason(chosen, st.world_size, evaluation_mode, model)
+        if no_ddp:
+            note_ignored(ddp, no_ddp)
+        else:
+            result = _wrap_ddp(model, st.device, ddp)
+    if plan is not None and plan.regional is False:
+        result = torch.compile(result, **plan.options)  # type: ignore[assignment]
+    _mark(model, result)
+    if result is not model:
+        _mark(result, result)
+    return result
+
+
+def unwrap_model(model: nn.Module, *, keep_fp32_wrapper: bool = True) -> nn.Module:
+    """The user's module inside a prepared model (through DDP and ``torch.compile``).
+
+    FSDP2 shards in place: the module ``prepare_model`` returned is the user's module (its
+    class is now FSDP's subclass of the user's class, and its parameters are sharded), so it
+    is returned as it is. ``accel.get_state_dict`` gives its full weights.
+
+    Args:
+        model: a prepared (or plain) module.
+        keep_fp32_wrapper: when ``False``, also put back the module's original ``forward``
+            (removing the mixed precision wrapper, in place), e.g. before exporting it.
+
+    Returns:
+        The innermost user module.
+
+    Example:
+        >>> prepared = accel.prepare_model(net)
+        >>> accel.unwrap_model(prepared) is net
+        True
+    """
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+            continue
+        inner = _compiled_inner(model)
+        if inner is None:
+            break
+        model = inner
+    if not keep_fp32_wrapper:
+        forward = model.__dict__.get("forward")
+        if isinstance(forward, AutocastForward):
+            if forward.instance_attribute:  # the user had set an instance forward: keep it
+                model.__dict__["forward"] = forward.original
+            else:
+                del model.__dict__["forward"]
+    return model

@@ -1,0 +1,75 @@
+"""``prepare(*objects)``: prepare models, optimizers, schedulers and data loaders in one call."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+from accel.parallel.fsdp_params import adopt_sharded_parameters
+from accel.training.model import prepare_model
+from accel.training.optim import prepare_optimizer
+from accel.training.scheduling import prepare_scheduler
+
+__all__ = ["prepare"]
+
+
+def _kind(obj: Any) -> int:
+    """Preparation order: models, then optimizers, then schedulers and loaders, then rest."""
+    if isinstance(obj, nn.Module):
+        return 0
+    if isinstance(obj, torch.optim.Optimizer):
+        return 1
+    if isinstance(obj, LRScheduler | DataLoader):
+        return 2
+    return 3
+
+
+def _prepare_one(obj: Any) -> Any:
+    if isinstance(obj, nn.Module):
+        return prepare_model(obj)
+    if isinstance(obj, torch.optim.Optimizer):
+        return prepare_optimizer(obj)
+    if isinstance(obj, LRScheduler):
+        return prepare_scheduler(obj)
+    if isinstance(obj, DataLoader):
+        # accel.data imports lazily: a script without loaders does not load it.
+        return importlib.import_module("accel.data").prepare_data_loader(obj)
+    return obj
+
+
+def prepare(*objects: Any) -> Any:
+    """Prepare each object for the run with the ``prepare_*`` function of its type.
+
+    Models go through :func:`accel.prepare_model`, optimizers :func:`accel.prepare_optimizer`,
+    LR schedulers :func:`accel.prepare_scheduler` and data loaders
+    :func:`accel.prepare_data_loader`, each with default options (call those functions for
+    others); anything else is returned as it is. Models are prepared first, then optimizers,
+    then schedulers, whatever the argument order, so a scheduler finds its prepared
+    optimizer. Results come back in the argument order. An optimizer made on a model that
+    is sharded here (``strategy="fsdp"``) is moved onto the sharded parameters (Accelerate's
+    FSDP2 behaviour); an optimizer with state for them is refused.
+
+    Args:
+        *objects: models, optimizers, schedulers, data loaders, in any order.
+
+    Returns:
+        A tuple of the prepared objects, or the prepared object itself when given one.
+
+    Example:
+        >>> model, optimizer, loader, scheduler = accel.prepare(
+        ...     model, optimizer, loader, scheduler
+        ... )
+    """
+    results: list[Any] = list(objects)
+    for index in sorted(range(len(objects)), key=lambda i: _kind(objects[i])):
+        if isinstance(objects[index], torch.optim.Optimizer):  # after every model
+            adopt_sharded_parameters(objects[index], objects)
+        results[index] = _prepare_one(objects[index])
+    if len(results) == 1:
+        return results[0]
+    return tuple(results)

@@ -1,0 +1,39 @@
+"""Model weights: ``save`` / ``load`` of one object, ``save_model`` in the HF layout,
+``get_state_dict`` (full weights of a sharded model), the weight files of a directory or an
+index, and streaming weights into a model one tensor at a time.
+
+Names load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY = {
+    "get_state_dict": "accel.weights.model_io",
+    "load": "accel.weights.model_io",
+    "save": "accel.weights.model_io",
+    "save_model": "accel.weights.model_io",
+}
+
+__all__ = sorted(_LAZY)
+
+if TYPE_CHECKING:
+    from accel.weights.model_io import get_state_dict as get_state_dict
+    from accel.weights.model_io import load as load
+    from accel.weights.model_io import save as save
+    from accel.weights.model_io import save_model as save_model
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'accel.weights' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
