@@ -203,8 +203,13 @@ class Scope:
     sync_gradients: bool = True
     active_loaders: list[Any] = attrs.field(factory=list)
     grad_scaler: Any = None
-    # batches since the last sync step of accumulate() called without models (None: it never
-    # ran); read through accel.training.accumulation.accumulation_step / set_accumulation_step.
+    # batches since the last sync step of accumulate(): per first model given (weakly keyed:
+    # an entry goes with its model), and for accumulate() called without models (None: it
+    # never ran); read through accel.training.accumulation.accumulation_step /
+    # set_accumulation_step.
+    model_steps: weakref.WeakKeyDictionary[Any, int] = attrs.field(
+        factory=weakref.WeakKeyDictionary
+    )
     accumulation_step: int | None = None
     # the prepared optimizers of this scope (for unscale_gradients() with no argument, ...).
     optimizers: list[weakref.ref[Any]] = attrs.field(factory=list)

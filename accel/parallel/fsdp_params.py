@@ -19,10 +19,11 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
-from accel.core.state import state
+from accel.core.state import ScopeSlot, state
 from accel.errors import StaleParametersError
 
 __all__ = [
@@ -199,29 +200,39 @@ def layout_groups(params: list[Any]) -> list[list[Any]]:
         >>> [len(group) for group in layout_groups(list(model.parameters()))]
         [4, 8, 2]
     """
+    layouts = _LAYOUTS.get_or_create(_Layouts)
     groups: dict[int, list[Any]] = {}
     for param in params:
         if param.grad is not None:
-            groups.setdefault(_layout(param), []).append(param)
+            groups.setdefault(_layout(param, layouts), []).append(param)
     return list(groups.values())
 
 
-_LAYOUT = "_accel_layout"  # a parameter's (id, layout number), kept on it
-_LAYOUTS: dict[object, int] = {}  # (id(mesh), placements) -> a number (cheap to hash)
+@attrs.define
+class _Layouts:
+    """The block's layout numbers: per parameter (by id, checked against a weak reference, so
+    a new tensor that reuses a dead one's id is worked out again), and per (mesh, placements)."""
+
+    by_param: dict[int, tuple[weakref.ref[Any], int]] = attrs.field(factory=dict)
+    numbers: dict[tuple[object, tuple[object, ...]], int] = attrs.field(factory=dict)
 
 
-def _layout(param: Any) -> int:
+_LAYOUTS: ScopeSlot[_Layouts] = ScopeSlot("accel.parallel.fsdp_params layout numbers")
+
+
+def _layout(param: Any, layouts: _Layouts) -> int:
     """A number for the mesh and placements of a DTensor parameter (0 for a plain one), worked
-    out once per parameter: a DTensor's attributes and placements are slow to read and hash
-    (a copy of the parameter, with another id, works it out again)."""
-    cached = param.__dict__.get(_LAYOUT)
-    if cached is not None and cached[0] == id(param):
-        return cached[1]  # type: ignore[no-any-return]
+    out once per parameter and block: a DTensor's attributes and placements are slow to read
+    and hash (a copy of the parameter, with another id, works it out again). Kept in the
+    block's scope, nothing on the parameter."""
+    cached = layouts.by_param.get(id(param))
+    if cached is not None and cached[0]() is param:
+        return cached[1]
     mesh = getattr(param, "device_mesh", None)
-    number = 0 if mesh is None else _LAYOUTS.setdefault(
-        (id(mesh), tuple(param.placements)), len(_LAYOUTS) + 1
+    number = 0 if mesh is None else layouts.numbers.setdefault(
+        (mesh, tuple(param.placements)), len(layouts.numbers) + 1
     )
-    param.__dict__[_LAYOUT] = (id(param), number)
+    layouts.by_param[id(param)] = (weakref.ref(param), number)
     return number
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,6 +17,7 @@ from torch import nn
 
 import accel
 from accel.core.state import ProcessState, Scope, scope, set_state
+from accel.training.accumulation import accumulation_step
 
 
 @contextmanager
@@ -80,7 +82,18 @@ def test_accumulate_syncs_every_k_and_on_the_last_batch(
     assert flags == expected
 
 
-def test_counter_lives_with_the_model_and_restarts_each_epoch() -> None:
+def test_a_models_counter_goes_with_the_model() -> None:
+    model = nn.Linear(1, 1)
+    with fake(gradient_accumulation_steps=3):
+        with accel.accumulate(model):
+            pass
+        assert len(scope().model_steps) == 1
+        del model
+        gc.collect()
+        assert len(scope().model_steps) == 0  # weakly keyed: no model kept alive
+
+
+def test_counter_is_kept_per_model_in_the_scope_and_restarts_each_epoch() -> None:
     first, second = nn.Linear(1, 1), nn.Linear(1, 1)
     with fake(gradient_accumulation_steps=3):
         loader = _Loader()
@@ -91,9 +104,9 @@ def test_counter_lives_with_the_model_and_restarts_each_epoch() -> None:
             assert not sync
         with accel.accumulate(second) as sync:  # its own count
             assert not sync
-        assert first.__dict__["_accel_accumulation_step"] == 2
-        assert second.__dict__["_accel_accumulation_step"] == 1
-        assert "_accel_accumulation_step" not in first.state_dict()
+        assert accumulation_step(first) == 2
+        assert accumulation_step(second) == 1
+        assert set(first.__dict__) == set(nn.Linear(1, 1).__dict__)  # nothing on the model
         loader.end_of_dataloader = True
         with accel.accumulate(first) as sync:
             assert sync

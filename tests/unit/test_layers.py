@@ -4,8 +4,10 @@ The import graph is drawn from the source with ``ast``: every ``import``/``from 
 naming an accel module, at module level or inside a function (a lazy import is a dependency
 too). Run this file as a script to print the graph with each module's layer. The page also
 names every module in a group; a module it does not name fails here. The graph has no cycle,
-and neither has the graph of accel's subpackages (``accel.checkpoint``, ``accel.big_model``...:
-one node each, an edge where a module of one imports a module of the other).
+and neither has the graph of accel's packages (``accel.checkpoint``, ``accel.big_model``... and
+each top-level module: one node each, an edge where a module of one imports a module of the
+other). No package imports another package's ``_private`` module, and accel/ holds at most six
+top-level modules.
 """
 
 from __future__ import annotations
@@ -209,8 +211,31 @@ def test_no_import_cycle() -> None:
 def test_no_cycle_between_packages() -> None:
     packages = package_graph(import_graph())
     assert {"accel.checkpoint", "accel.big_model", "accel.launch", "accel.cli"} <= set(packages)
-    assert "accel.checkpoint" in packages["accel.big_model"]  # big models load checkpoints
+    assert "accel.errors" in packages  # top-level modules are nodes too
+    assert "accel.weights" in packages["accel.big_model"]  # big models load weights
     assert import_cycles(packages) == []
+
+
+def test_no_package_imports_another_packages_private_modules() -> None:
+    assert private_imports(import_graph()) == []
+
+
+def test_a_private_import_is_found() -> None:
+    graph = {
+        "accel.a._x": set(), "accel.a.y": {"accel.a._x"}, "accel.b.z": {"accel.a._x"},
+        "accel._f.w": set(), "accel.c": {"accel._f.w"}, "accel.d": {"accel._f._v"},
+    }
+    assert private_imports(graph) == [
+        "accel.b.z imports accel.a._x, private to accel.a",
+        "accel.d imports accel._f._v, private to accel._f",
+    ]
+
+
+def test_the_top_level_holds_at_most_six_modules() -> None:
+    """``__init__.py``, ``errors.py`` and a few run utilities: the rest lives in packages."""
+    modules = top_level_modules()
+    assert {"__init__.py", "errors.py"} <= set(modules)
+    assert len(modules) <= 6, modules
 
 
 def test_a_package_cycle_is_found() -> None:
@@ -220,13 +245,11 @@ def test_a_package_cycle_is_found() -> None:
         "accel.c": set(), "accel.c.q": {"accel.a.x"}, "accel.m": {"accel.a.x"},
     }
     assert package_graph(graph) == {
-        "accel.a": {"accel.b"}, "accel.b": {"accel.a"}, "accel.c": {"accel.a"},
+        "accel.a": {"accel.b", "accel.m"}, "accel.b": {"accel.a"}, "accel.c": {"accel.a"},
         "accel.m": {"accel.a"},
-    }  # accel.m is a top-level module: a package of its own
-    assert import_cycles(package_graph(graph)) == [["accel.a", "accel.b"]]
-    graph["accel.a.w"] = {"accel.m"}
-    graph["accel.m"] = {"accel.a.x"}
-    graph["accel.a.x"] = set()
+    }  # accel.m is a top-level module: a package of its own, in the cycle through accel.a
+    assert import_cycles(package_graph(graph)) == [["accel.a", "accel.b", "accel.m"]]
+    del graph["accel.b.z"]
     assert import_cycles(package_graph(graph)) == [["accel.a", "accel.m"]]
 
 
@@ -259,18 +282,22 @@ def test_the_settings_layer_imports_only_errors() -> None:
 def test_distributed_reads_the_config_file_from_below() -> None:
     graph = import_graph()
     assert "accel.core.config_file" in graph["accel.core.process_group"]
-    assert not any(dep.startswith("accel.launch") for dep in graph["accel.core.process_group"])
+    assert all(dep.startswith(("accel.core.", "accel.errors"))
+               for dep in graph["accel.core.process_group"])  # no feature: exit steps instead
     assert layer_of("accel.core.config_file") > layer_of("accel.core.state")
 
 
 def test_an_upward_import_is_found(tmp_path: Path) -> None:
     pkg = tmp_path / "accel"
-    (pkg / "launch").mkdir(parents=True)
+    for sub in ("launch", "core", "training"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "launch" / "__init__.py").write_text("")
     (pkg / "launch" / "run.py").write_text("")
-    (pkg / "core/env.py").write_text("def f():\n    from accel.launch import run\n")
-    (pkg / "training/model.py").write_text("from ._env import f\nfrom accel import __version__\n")
+    (pkg / "core" / "env.py").write_text("def f():\n    from accel.launch import run\n")
+    (pkg / "training" / "model.py").write_text(
+        "from accel.core.env import f\nfrom accel import __version__\n"
+    )
     graph = import_graph(pkg)
     assert graph["accel.training.model"] == {"accel.core.env"}
     assert upward_imports(graph) == [
