@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from accel._files.format import FileRecord, read_safetensors
+from accel._files.format import read_safetensors
 from accel._files.safe_io import (
     MAX_JSON_BYTES,
     MAX_JSON_DEPTH,
@@ -24,11 +24,11 @@ from accel._files.safe_io import (
     read_declared,
 )
 from accel._files.values import check_recorded, dtype_names
-from accel._files.writer import PlannedFile, plan_bytes, plan_safetensors, write_files
+from accel._files.writer import PlannedFile, plan_bytes, plan_safetensors
 from accel.checkpoint.encode import decode, encode
 from accel.errors import CheckpointError
 
-__all__ = ["plan_object", "read_object", "write_object"]
+__all__ = ["plan_object", "read_object"]
 
 
 def plan_object(
@@ -66,13 +66,6 @@ def _check_readable(name: str, body: bytes) -> None:
         "nothing was saved. Keep large data in tensors and flatten deep nesting in that "
         "object's `state_dict()`."
     )
-
-
-def write_object(
-    tmp: Path, name: str, state_dict: Any, extra: dict[str, Any] | None = None
-) -> list[FileRecord]:
-    """Write ``state_dict`` as ``NAME.safetensors`` (if it holds tensors) + ``NAME.json``."""
-    return write_files(plan_object(tmp, name, state_dict, extra))
 
 
 def read_object(

@@ -28,12 +28,17 @@ from accel.core.settings import (
 from accel.errors import ConfigError, StateFrozenError
 
 __all__ = [
+    "Place",
     "ProcessState",
     "Scope",
     "ScopeSlot",
     "at_block_exit",
+    "best_device",
     "current_gate",
+    "derive_state",
+    "find_place",
     "gated",
+    "has_active_state",
     "reset_detached_scope",
     "resolve_policy",
     "run_exit_steps",
@@ -440,9 +445,27 @@ def resolve_policy(
     }
 
 
-def derive_state(env: LaunchEnv | None = None) -> ProcessState:
-    """The state outside any ``distributed()`` block; reads, never initialises anything."""
-    env = read_launch_env() if env is None else env
+@attrs.frozen
+class Place:
+    """Where this process stands: its ranks, its device and the backend of the process group it
+    is in (``None`` without one)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None
+
+
+def find_place(env: LaunchEnv, *, cpu: bool = False) -> Place:
+    """This process from an initialised ``torch.distributed`` group, else from the launch
+    environment; reads, never initialises anything. Used inside and outside blocks alike.
+
+    Example:
+        >>> find_place(read_launch_env(), cpu=True).device
+        device(type='cpu')
+    """
     rank, world = env.rank, env.world_size
     local_rank, local_world = env.local_rank, env.local_world_size
     backend: str | None = None
@@ -452,16 +475,24 @@ def derive_state(env: LaunchEnv | None = None) -> ProcessState:
         backend = str(torch.distributed.get_backend())
         if env.world_size != world:  # group not made from this environment: one node
             local_rank, local_world = rank, world
-    device = best_device(local_rank, cpu=bool(env.cpu) or backend == "gloo")
+    device = best_device(local_rank, cpu=cpu or backend == "gloo")
+    return Place(rank, world, local_rank, local_world, device, backend)
+
+
+def derive_state(env: LaunchEnv | None = None) -> ProcessState:
+    """The state outside any ``distributed()`` block; reads, never initialises anything."""
+    env = read_launch_env() if env is None else env
+    place = find_place(env, cpu=bool(env.cpu))
+    world, local_world = place.world_size, place.local_world_size
     return ProcessState(
-        rank=rank,
-        local_rank=local_rank,
+        rank=place.rank,
+        local_rank=place.local_rank,
         world_size=world,
         local_world_size=local_world,
-        node_rank=rank // max(1, local_world),
+        node_rank=place.rank // max(1, local_world),
         num_nodes=max(1, -(-world // max(1, local_world))),
-        device=device,
-        backend=backend,
+        device=place.device,
+        backend=place.backend,
         on_each_node=bool(env.on_each_node),
         **resolve_policy(env, world_size=world),
     )

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 import accel
+from accel._files.writer import write_files
 from accel.checkpoint._fit import check_fits
-from accel.checkpoint.objects import write_object
+from accel.checkpoint.objects import plan_object
 from accel.checkpoint.sharded import pieces as _sharded
 from accel.checkpoint.sharded import reshard as _reshard
 from accel.errors import CheckpointArgumentError, CheckpointError
@@ -34,7 +35,7 @@ def _net() -> nn.Sequential:
 
 
 def _write(tmp: Path, name: str, state: Any, extra: dict[str, Any]) -> dict[str, Any]:
-    records = write_object(tmp, name, state, extra)
+    records = write_files(plan_object(tmp, name, state, extra))
     return {r.name: {"size": r.size, "crc32": r.crc32} for r in records}
 
 

@@ -42,7 +42,8 @@ from torch import nn
 
 import accel
 from accel._files.format import write_safetensors
-from accel.checkpoint.objects import write_object
+from accel._files.writer import write_files
+from accel.checkpoint.objects import plan_object
 from accel.errors import CheckpointError
 from accel.weights import stream as _stream
 
@@ -412,7 +413,7 @@ def _checkpoint(folder: Path, objects: dict[str, tuple[Any, dict[str, Any]]],
     files named like objects); saved by ``world_size`` ranks (so no RNG file is needed)."""
     folder.mkdir(parents=True, exist_ok=True)
     records = [r for name, (state, extra) in objects.items()
-               for r in write_object(folder, name, state, extra)]
+               for r in write_files(plan_object(folder, name, state, extra))]
     manifest = {
         "format": "accel-checkpoint", "version": 1, "step": None, "world_size": world_size,
         "objects": sorted(n for n in objects if "__shards_" not in n),
