@@ -10,8 +10,9 @@ Names load on first use, so that ``distributed()`` stays light.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from accel.core.lazy import lazy_names
 
 _LAZY = {
     "CheckpointInfo": "accel.checkpoint._loading",
@@ -31,14 +32,4 @@ if TYPE_CHECKING:
     from accel.checkpoint.state import save_state as save_state
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'accel.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

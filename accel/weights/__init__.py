@@ -7,8 +7,9 @@ Names load on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from accel.core.lazy import lazy_names
 
 _LAZY = {
     "get_state_dict": "accel.weights.model_io",
@@ -26,14 +27,4 @@ if TYPE_CHECKING:
     from accel.weights.model_io import save_model as save_model
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'accel.weights' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("distributed", ("accel.core.process_group",)),
     ("state", (
         "accel.core", "accel.core.state", "accel.core.options", "accel.core.mesh",
-        "accel.core.seeding", "accel.core.tree", "accel.core.sizes",
+        "accel.core.seeding", "accel.core.tree", "accel.core.sizes", "accel.core.lazy",
     )),
     ("config file", ("accel.core.config_file",)),
     ("environment", ("accel.core.env",)),
