@@ -106,7 +106,7 @@ def check_resume() -> dict[str, Any]:
         opt = accel.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
         _accel_loop(model, opt, batches[:3])
         accel.save_state(tmp, model=model, optimizer=opt)
-        scale = accel.training.optim.scaler_state_dict()
+        scale = accel.precision.scaling.scaler_state_dict()
         after = _accel_loop(model, opt, batches[3:])
         fresh = accel.prepare_model(_net(seed=5))
         fresh_opt = accel.prepare_optimizer(torch.optim.AdamW(fresh.parameters(), lr=1e-3))

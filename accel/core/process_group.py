@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import threading
-import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -22,16 +20,16 @@ from accel.core.settings import (
     BACKENDS,
     DDP_CONFIG_KEYS,
     DEFAULT_PORT,
-    FP8_NOTE,
     MODEL_KEYS,
     POLICY_KEYS,
     env_variable,
     validate_setting,
 )
 from accel.core.state import (
+    Place,
     ProcessState,
     Scope,
-    best_device,
+    find_place,
     has_active_state,
     resolve_policy,
     run_exit_steps,
@@ -41,8 +39,6 @@ from accel.core.state import (
 from accel.errors import ConfigError
 
 __all__ = ["distributed"]
-
-_FP8_SAID = threading.Event()  # once per process: fp8 runs as bf16
 
 
 def _as_seconds(timeout: float | datetime.timedelta | None) -> float | None:
@@ -101,8 +97,6 @@ def _nested(
             )
     merged = {k: v if v is not None else getattr(current, k) for k, v in changes.items()}
     policy = resolve_policy(LaunchEnv(), world_size=current.world_size, **merged)
-    # stack: _note_fp8 < _nested < _nested_block < distributed < contextlib < the caller
-    _note_fp8(policy["mixed_precision"], stacklevel=6)
     each = current.on_each_node if on_each_node is None else on_each_node
     return attrs.evolve(
         current, **policy, on_each_node=each, options={**current.options, **options}
@@ -163,7 +157,9 @@ def distributed(
     Args:
         backend: torch.distributed backend; default nccl on CUDA, gloo on CPU.
         mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (which runs as bf16
-            autocast for now: a warning says so, once per process).
+            autocast for now: the first feature that uses it, e.g. ``prepare_model`` or
+            ``accel.autocast()``, warns so, once per process). Checked here; what each mode
+            does is its unit's, in ``accel.precision``.
         gradient_accumulation_steps: optimizer steps happen every this many batches.
         strategy: ``"none"``, ``"ddp"`` or ``"fsdp"``; default ddp with several processes.
         cpu: run on the CPU even when CUDA is available.
@@ -242,45 +238,22 @@ def _nested_block(
         yield inner
 
 
-@attrs.frozen
-class _Process:
-    """Where this process stands: its ranks, device and process-group backend (``None``
-    without a group)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    device: torch.device
-    backend: str | None
-
-
-def _find_process(env: LaunchEnv, backend: str | None, use_cpu: bool) -> _Process:
-    """This process from an existing process group, else from the launch environment."""
-    if dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-        group_backend: str | None = str(dist.get_backend())
-        local_rank, local_world = env.local_rank, env.local_world_size
-        if env.world_size != world:  # the user made the group without launcher variables
-            local_rank, local_world = rank, world
-        device = best_device(local_rank, cpu=use_cpu or group_backend == "gloo")
-        return _Process(rank, world, local_rank, local_world, device, group_backend)
-    device = best_device(env.local_rank, cpu=use_cpu)
-    group_backend = None
-    if env.world_size > 1:
-        if not dist.is_available():
-            raise ConfigError(
-                f"The launcher started {env.world_size} processes but this torch build has no "
-                "torch.distributed. Install a torch build with distributed support."
-            )
-        group_backend = _pick_backend(backend or env.backend, device)
-    return _Process(
-        env.rank, env.world_size, env.local_rank, env.local_world_size, device, group_backend
-    )
+def _find_process(env: LaunchEnv, backend: str | None, use_cpu: bool) -> Place:
+    """This process's place (:func:`~accel.core.state.find_place`), with the backend of the
+    group to create when the launcher started several processes and none exists yet."""
+    place = find_place(env, cpu=use_cpu)
+    if place.backend is not None or env.world_size <= 1:
+        return place
+    if not dist.is_available():
+        raise ConfigError(
+            f"The launcher started {env.world_size} processes but this torch build has no "
+            "torch.distributed. Install a torch build with distributed support."
+        )
+    return attrs.evolve(place, backend=_pick_backend(backend or env.backend, place.device))
 
 
 def _start(
-    env: LaunchEnv, process: _Process, sizes: Mapping[str, int | None],
+    env: LaunchEnv, process: Place, sizes: Mapping[str, int | None],
     changes: dict[str, Any], *, seed: int | None, on_each_node: bool | None,
     options: dict[str, Any],
 ) -> tuple[ProcessState, bool]:
@@ -295,8 +268,6 @@ def _start(
     if shape is not None and shape.dp_shard > 1 and changes["strategy"] is None:
         changes = {**changes, "strategy": "fsdp"}
     policy = resolve_policy(env, world_size=world, **changes)
-    # stack: _note_fp8 < _start < distributed (generator) < contextlib's __enter__ < the caller
-    _note_fp8(policy["mixed_precision"], stacklevel=5)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     created = False
@@ -364,14 +335,6 @@ def _same_mesh(outer: ProcessState, sizes: Mapping[str, int | None]) -> None:
                 f"{outer.mesh_shape or 'not set'} (dp_replicate, dp_shard, tp): the mesh is made "
                 "once, by the outermost block. Pass the sizes there."
             )
-
-
-def _note_fp8(mixed_precision: str, stacklevel: int) -> None:
-    """Warn once per process that ``fp8`` runs as bf16 autocast (no fp8 backend yet);
-    ``stacklevel`` counts the frames up to the caller's ``with`` line."""
-    if mixed_precision == "fp8" and not _FP8_SAID.is_set():
-        _FP8_SAID.set()
-        warnings.warn(FP8_NOTE, UserWarning, stacklevel=stacklevel)
 
 
 def _with_config_file(env: LaunchEnv) -> tuple[LaunchEnv, dict[str, Any]]:

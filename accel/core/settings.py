@@ -63,7 +63,8 @@ FP8_NOTE = (
     "mixed_precision='fp8' runs as bf16 autocast: accel has no fp8 backend yet, so nothing "
     "runs in fp8. `mixed_precision='bf16'` gives the same run and says so."
 )
-"""What ``distributed()`` warns (once per process) and ``accel env`` shows for ``fp8``."""
+"""What the fp8 precision unit (``accel.precision.fp8``) warns, once per process, when a feature
+first uses the mode, and what ``accel env`` shows for ``fp8``."""
 
 DEFAULT_PORT = 29500
 """The rendezvous port when none is given and none can be chosen or derived."""

@@ -23,7 +23,6 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 from torch import nn
 
 from accel.core.settings import FSDP_KEYS, did_you_mean
@@ -31,7 +30,7 @@ from accel.core.state import ProcessState, ScopeSlot, state
 from accel.errors import ConfigError
 from accel.parallel.blocks import declared_blocks
 from accel.parallel.fsdp_params import mark_replaced
-from accel.precision.casting import autocast_dtype
+from accel.precision.registry import precision_for
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -41,7 +40,6 @@ __all__ = [
     "default_shard_modules",
     "fsdp_options",
     "is_fsdp_module",
-    "mixed_precision_policy",
     "shard_model",
     "shard_targets",
 ]
@@ -237,26 +235,6 @@ def shard_targets(model: nn.Module, shard_modules: tuple[ShardSpec, ...] | None)
     return [module for module in reversed(list(model.modules())) if id(module) in chosen]
 
 
-def mixed_precision_policy(mixed_precision: str) -> Any:
-    """The ``MixedPrecisionPolicy`` for the state's policy, or ``None`` for ``"no"``.
-
-    bf16/fp16 (fp8: bf16) set ``param_dtype`` (the all-gathered parameters the forward and
-    backward use) and ``reduce_dtype`` (the gradient reduce-scatter); the sharded parameters
-    and their gradients stay in their own dtype (fp32 master weights). ``output_dtype`` is left
-    unset: the root's forward returns fp32 floats through ``prepare_model``'s autocast wrapper.
-
-    Example:
-        >>> mixed_precision_policy("bf16").param_dtype
-        torch.bfloat16
-    """
-    dtype = autocast_dtype(mixed_precision)
-    if dtype is None:
-        return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
-
-
 def is_fsdp_module(module: object) -> bool:
     """Whether ``module`` was sharded with ``fully_shard`` (an ``FSDPModule``).
 
@@ -280,22 +258,6 @@ def _mesh(st: ProcessState) -> DeviceMesh:
 
         mesh = meshes[key] = init_device_mesh(st.device.type, (st.world_size,))
     return mesh
-
-
-def _upcast_trainable(model: nn.Module) -> None:
-    """Trainable low-precision floating parameters become fp32 (the master weights)."""
-    upcast = []
-    for name, param in model.named_parameters():
-        if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
-            param.data = param.data.float()
-            upcast.append(name)
-    if upcast and state().is_main_process:
-        from accel.comm.gating import get_logger
-
-        get_logger(__name__, main_process_only=False).info(
-            "FSDP with mixed precision keeps fp32 master weights: %d trainable parameters were "
-            "upcast to fp32 (first: %s).", len(upcast), upcast[:5],
-        )
 
 
 def describe_blocks(model: nn.Module, targets: list[nn.Module], chosen_by_user: bool) -> str:
@@ -350,14 +312,15 @@ def shard_model(
 
     On one process (or with ``evaluation_mode``) the options and ``shard_modules`` are still
     checked, but the model is only moved to the state's device: one process has nothing to
-    shard across (an info note says so, once per process). With several processes, under
-    mixed precision trainable bf16/fp16 parameters are first upcast to fp32; then every
-    module of :func:`shard_targets` and finally the root get ``fully_shard`` on the mesh, with
+    shard across (an info note says so, once per process). With several processes, the
+    mode's precision unit (``accel.precision``) first makes the master weights (under mixed
+    precision trainable bf16/fp16 parameters are upcast to fp32); then every module of
+    :func:`shard_targets` and finally the root get ``fully_shard`` on the mesh, with
     ``reshard_after_forward`` (when not given: torch's default, which reshards every block
     but not the root, whose parameters the backward needs first, so that it is not gathered
-    twice per step), ``CPUOffloadPolicy`` when ``cpu_offload`` and the
-    :func:`mixed_precision_policy`. ``fully_shard`` places the shards itself (on the state's
-    device, or the CPU with ``cpu_offload``).
+    twice per step), ``CPUOffloadPolicy`` when ``cpu_offload`` and the unit's
+    ``MixedPrecisionPolicy`` (param and reduce dtypes). ``fully_shard`` places the shards
+    itself (on the state's device, or the CPU with ``cpu_offload``).
 
     Args:
         model: the user's module (not yet sharded).
@@ -382,8 +345,8 @@ def shard_model(
         return model.to(st.device) if device_placement else model
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    if st.mixed_precision != "no":
-        _upcast_trainable(model)
+    unit = precision_for(st.mixed_precision)
+    unit.upcast_master_weights(model)  # fp32 master weights under mixed precision
     kwargs: dict[str, Any] = {
         "mesh": _mesh(st),
         "reshard_after_forward": (
@@ -394,7 +357,7 @@ def shard_model(
             if options.cpu_offload else OffloadPolicy()
         ),
     }
-    policy = mixed_precision_policy(st.mixed_precision)
+    policy = unit.fsdp_policy()
     if policy is not None:
         kwargs["mp_policy"] = policy
     _note_blocks(model, targets, options)

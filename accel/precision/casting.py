@@ -1,61 +1,29 @@
-"""Mixed precision: the autocast policy and the fp32-output forward of prepared models.
+"""Autocast: ``accel.autocast()`` and the prepared forward (autocast in, fp32 floats out).
 
-The policy comes from ``accel.state().mixed_precision``: ``"bf16"`` and ``"fp16"`` run the
-forward pass under :func:`torch.autocast` on the state's device type (CPU and CUDA alike);
-``"no"`` runs it as written. ``"fp8"`` needs a dedicated backend (a later piece of work); until
-then it runs the forward under bf16 autocast, the precision fp8 recipes keep outside matmuls.
+Both ask the unit of the state's mode (``accel.precision.registry``): ``"bf16"`` and
+``"fp16"`` run under :func:`torch.autocast` on the state's device type (CPU and CUDA alike),
+``"no"`` runs as written, ``"fp8"`` runs as bf16 for now (``accel.precision.fp8``).
+``prepare_model`` installs the forward wrapper with :func:`prepare_forward`; ``unwrap_model(m,
+keep_fp32_wrapper=False)`` takes it off with :func:`remove_forward`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
 from accel.core.state import state
-from accel.errors import ConfigError
+from accel.precision.registry import precision_for
 
-if TYPE_CHECKING:
-    from accel.core.settings import MixedPrecision
+__all__ = ["AutocastForward", "autocast", "outputs_to_fp32", "prepare_forward", "remove_forward"]
 
-__all__ = ["AutocastForward", "autocast", "autocast_dtype", "outputs_to_fp32"]
-
-_DTYPES: Mapping[str, torch.dtype | None] = {
-    "no": None,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp8": torch.bfloat16,
-}
 _REDUCED = (torch.float16, torch.bfloat16)
 # AutocastForward's resolved policy: (policy, device, dtype, device type, autocast enabled)
 _Plan = tuple[str, "torch.device | None", "torch.dtype | None", str, bool]
-
-
-def autocast_dtype(mixed_precision: MixedPrecision | str) -> torch.dtype | None:
-    """The dtype autocast uses for a mixed precision policy, or ``None`` for ``"no"``.
-
-    Args:
-        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``.
-
-    Returns:
-        ``torch.float16``, ``torch.bfloat16`` or ``None``.
-
-    Raises:
-        ConfigError: the policy is not one of the choices.
-
-    Example:
-        >>> autocast_dtype("bf16")
-        torch.bfloat16
-    """
-    try:
-        return _DTYPES[mixed_precision]
-    except KeyError:
-        raise ConfigError(
-            f"mixed_precision={mixed_precision!r} is not supported; choose one of "
-            f"{list(_DTYPES)}, e.g. `accel.distributed(mixed_precision='bf16')`."
-        ) from None
 
 
 def autocast(
@@ -63,10 +31,11 @@ def autocast(
 ) -> contextlib.AbstractContextManager[Any]:
     """Run the block under autocast, per the state's mixed precision policy.
 
-    With ``mixed_precision="no"`` (and no ``dtype``) this is a no-op context. Otherwise it is
-    :func:`torch.autocast` on the state's device type (``"cpu"`` or ``"cuda"``) with bf16 or
-    fp16. Prepared models already run their forward this way; use it for computation outside
-    the model (a loss, a second head).
+    The state's mode decides (its unit's ``autocast``): with ``mixed_precision="no"`` (and no
+    ``dtype``) this is a no-op context; otherwise :func:`torch.autocast` on the state's device
+    type (``"cpu"`` or ``"cuda"``) with bf16 or fp16 (fp8: bf16, said once per process).
+    Prepared models already run their forward this way; use it for computation outside the
+    model (a loss, a second head).
 
     Args:
         enabled: ``False`` turns autocast off inside the block (also inside a prepared
@@ -83,15 +52,9 @@ def autocast(
         torch.bfloat16
     """
     st = state()
-    if dtype is None:
-        dtype = autocast_dtype(st.mixed_precision)
-        if dtype is None:
-            if enabled:
-                return contextlib.nullcontext()
-            # "no" policy, but the caller asks to switch autocast off (e.g. inside an
-            # enclosing user autocast): honour it with the device's default dtype.
-            return torch.autocast(device_type=st.device.type, enabled=False)
-    return torch.autocast(device_type=st.device.type, dtype=dtype, enabled=enabled)
+    return precision_for(st.mixed_precision).autocast(
+        st.device.type, enabled=enabled, dtype=dtype
+    )
 
 
 def _to_fp32(value: Any) -> Any:
@@ -141,8 +104,9 @@ class AutocastForward:
 
     The autocast region is entered as :func:`torch.autocast` enters it (the same thread-local
     switches, set and restored, and the cast cache cleared when the outermost region ends),
-    without building a ``torch.autocast`` object per call: its checks (device, dtype support)
-    run once per policy, when the policy is first seen. Under a torch function mode (e.g.
+    without building a ``torch.autocast`` object per call: the mode's unit
+    (``forward_casting``) decides the dtype and runs torch's checks (device, dtype support)
+    once per policy and device, when they are first seen. Under a torch function mode (e.g.
     ``torch.export`` tracing) a real ``torch.autocast`` is used, so the mode sees the region.
     Outputs that are already fp32 (or not floating) are returned as they are, containers
     included.
@@ -174,13 +138,8 @@ class AutocastForward:
         self._plan: _Plan = ("", None, None, device_type, False)
 
     def _resolve(self, policy: str, device: torch.device) -> _Plan:
-        """Work out (once per policy and device) what the autocast region switches on."""
-        dtype = _DTYPES.get(policy)
-        enabled = False
-        if dtype is not None:
-            # torch.autocast's own checks (device available, dtype supported), run once: it
-            # raises for an unsupported device and warns and disables for an unusable dtype.
-            enabled = bool(torch.autocast(device_type=device.type, dtype=dtype)._enabled)
+        """Ask the mode's unit (once per policy and device) what the region switches on."""
+        dtype, enabled = precision_for(policy).forward_casting(device.type)
         plan: _Plan = (policy, device, dtype, device.type, enabled)
         self._plan = plan
         return plan
@@ -229,3 +188,46 @@ class AutocastForward:
 
     def __repr__(self) -> str:
         return f"AutocastForward({self.original!r})"
+
+
+def prepare_forward(module: nn.Module) -> None:
+    """Wrap ``module``'s forward in :class:`AutocastForward` once, if the state's mode casts.
+
+    The wrapper goes in the module's ``__dict__`` (an instance ``forward``); a module already
+    wrapped, or a mode whose unit has no forward dtype (``"no"``), is left as it is.
+
+    Example:
+        >>> with accel.distributed(mixed_precision="bf16"):
+        ...     prepare_forward(net)
+        ...     type(net.__dict__["forward"]).__name__
+        'AutocastForward'
+    """
+    current = module.__dict__.get("forward")
+    if isinstance(current, AutocastForward):
+        return
+    st = state()
+    dtype = precision_for(st.mixed_precision).forward_dtype()
+    if dtype is None:
+        return
+    module.__dict__["forward"] = AutocastForward(
+        module.forward,
+        instance_attribute=current is not None,
+        dtype=dtype,
+        device_type=st.device.type,
+    )
+
+
+def remove_forward(module: nn.Module) -> None:
+    """Put back the forward :func:`prepare_forward` wrapped (in place); else do nothing.
+
+    Example:
+        >>> remove_forward(net)
+        >>> "forward" in net.__dict__
+        False
+    """
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, AutocastForward):
+        if forward.instance_attribute:  # the user had set an instance forward: keep it
+            module.__dict__["forward"] = forward.original
+        else:
+            del module.__dict__["forward"]

@@ -5,12 +5,13 @@ Where things live:
 - the sync flag (does this batch end an optimizer step?): ``accel.core.state.scope()
   .sync_gradients``, set by :func:`accumulate` at the start of each block and left as it is
   after the block (so ``if accel.sync_gradients():`` after the block works, as in Accelerate);
-- the accumulation counter: on the first model given to :func:`accumulate` (the
-  ``_accel_accumulation_step`` entry of its ``__dict__``), or in ``scope().accumulation_step``
-  when it is called without models; :func:`accumulation_step` and
-  :func:`set_accumulation_step` read and write it (checkpoints save and restore it);
-- the fp16 GradScaler that :func:`backward` scales the loss with: ``scope().grad_scaler``
-  (used while the policy is ``"fp16"``; see ``accel.training.optim``).
+- the accumulation counter: in the scope, per first model given to :func:`accumulate`
+  (``scope().model_steps``, weakly keyed by the model: nothing is written on the user's
+  object), or in ``scope().accumulation_step`` when it is called without models;
+  :func:`accumulation_step` and :func:`set_accumulation_step` read and write it (checkpoints
+  save and restore it);
+- the loss scale :func:`backward` applies: the mode's precision unit decides
+  (``accel.precision``: fp16 multiplies by the scope's GradScaler, ``scope().grad_scaler``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 from accel.core.state import scope, state
 from accel.errors import ArgumentTypeError
 from accel.parallel.fsdp_params import set_gradient_sync
+from accel.precision.registry import precision_for
 from accel.training.model import _compiled_inner
-from accel.training.optim import active_scaler
 
 __all__ = [
     "accumulate",
@@ -40,9 +41,6 @@ __all__ = [
     "sync_gradients",
     "trigger_sync_in_backward",
 ]
-
-_COUNTER = "_accel_accumulation_step"
-
 
 def accumulation_step(model: nn.Module | None = None) -> int | None:
     """Batches since the last sync step, as counted by :func:`accumulate` (``None``: never ran).
@@ -58,8 +56,7 @@ def accumulation_step(model: nn.Module | None = None) -> int | None:
     """
     if model is None:
         return scope().accumulation_step
-    value = model.__dict__.get(_COUNTER)
-    return None if value is None else int(value)
+    return scope().model_steps.get(model)
 
 
 def set_accumulation_step(step: int, model: nn.Module | None = None) -> None:
@@ -71,7 +68,7 @@ def set_accumulation_step(step: int, model: nn.Module | None = None) -> None:
     if model is None:
         scope().accumulation_step = step
     else:
-        model.__dict__[_COUNTER] = step
+        scope().model_steps[model] = step
 
 
 def backward(loss: torch.Tensor, **kwargs: Any) -> None:
@@ -95,12 +92,11 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
             f"accel.backward() takes the loss tensor, got {type(loss).__name__} {loss!r:.60}. "
             "Pass the tensor the loss function returned, e.g. `accel.backward(loss)`."
         )
-    steps = state().gradient_accumulation_steps
+    st = state()
+    steps = st.gradient_accumulation_steps
     if steps > 1:
         loss = loss / steps
-    scaler = active_scaler()
-    if scaler is not None:
-        loss = scaler.scale(loss)
+    loss = precision_for(st.mixed_precision).scale_loss(loss)  # fp16: the GradScaler's scale
     loss.backward(**kwargs)  # type: ignore[no-untyped-call]
 
 
@@ -183,10 +179,10 @@ class _Accumulate:
         if end:
             step = 0
         else:  # batches since the last sync step
-            last = models[0].__dict__.get(_COUNTER, 0) if models else sc.accumulation_step
+            last = sc.model_steps.get(models[0], 0) if models else sc.accumulation_step
             step = ((last or 0) + 1) % steps
         if models:
-            models[0].__dict__[_COUNTER] = step
+            sc.model_steps[models[0]] = step
         else:
             sc.accumulation_step = step
         sync = step == 0

@@ -26,7 +26,7 @@ from accel.parallel.blockwise import checkpoint_blocks, compile_blocks, compile_
 from accel.parallel.ddp import DDPOptions, ddp_options, make_ddp, note_ignored
 from accel.parallel.ddp_teardown import watch_reducers
 from accel.parallel.fsdp_params import mark_replaced
-from accel.precision.casting import AutocastForward, autocast_dtype
+from accel.precision.casting import prepare_forward, remove_forward
 
 __all__ = ["is_prepared", "prepare_model", "unwrap_model"]
 
@@ -62,19 +62,6 @@ def _resolve_strategy(strategy: str | None) -> str:
             "e.g. `accel.prepare_model(model, strategy='ddp')`."
         )
     return chosen
-
-
-def _install_autocast_forward(module: nn.Module) -> None:
-    current = module.__dict__.get("forward")
-    if isinstance(current, AutocastForward):
-        return
-    st = state()
-    module.__dict__["forward"] = AutocastForward(
-        module.forward,
-        instance_attribute=current is not None,
-        dtype=autocast_dtype(st.mixed_precision),
-        device_type=st.device.type,
-    )
 
 
 def _compiled_inner(model: nn.Module) -> nn.Module | None:
@@ -269,8 +256,7 @@ def prepare_model(
             model = model.to(st.device)
     if plan is not None and plan.regional is not False:  # in place, after sharding
         compile_blocks(model, plan.regional, plan.options, shard_modules=shard_modules)
-    if st.mixed_precision != "no":
-        _install_autocast_forward(model)
+    prepare_forward(model)  # the mode's autocast wrapper, if it has one
     result: nn.Module = model
     if chosen != "fsdp" and not split:
         no_ddp = _no_ddp_reason(chosen, st.world_size, evaluation_mode, model)
@@ -315,10 +301,5 @@ def unwrap_model(model: nn.Module, *, keep_fp32_wrapper: bool = True) -> nn.Modu
             break
         model = inner
     if not keep_fp32_wrapper:
-        forward = model.__dict__.get("forward")
-        if isinstance(forward, AutocastForward):
-            if forward.instance_attribute:  # the user had set an instance forward: keep it
-                model.__dict__["forward"] = forward.original
-            else:
-                del model.__dict__["forward"]
+        remove_forward(model)
     return model

@@ -1,15 +1,13 @@
-"""Prepared optimizers, the fp16 GradScaler, and gradient clipping (schedulers: scheduling.py).
+"""Prepared optimizers and gradient clipping (schedulers: scheduling.py).
 
 Where things live:
 
 - whether the current batch is a sync step: ``accel.core.state.scope().sync_gradients`` (set by
   ``accel.accumulate``; ``True`` when no accumulation is used);
-- the fp16 :class:`torch.amp.GradScaler`: ``scope().grad_scaler``, one per ``distributed()``
-  scope, created by the first :func:`prepare_optimizer` under ``mixed_precision="fp16"``.
-  It is used (by ``accel.backward``, prepared optimizers' ``step()``, unscaling and clipping
-  alike) only while the state's policy is ``"fp16"``: a nested
-  ``accel.distributed(mixed_precision="no")`` block trains without loss scaling.
-  Save and restore it with :func:`scaler_state_dict` / :func:`load_scaler_state_dict`;
+- loss scaling: the unit of the state's mixed precision mode
+  (``accel.precision.registry.precision_for``) makes the GradScaler, steps through it, unscales
+  and tells a skipped step; the scaler itself is ``scope().grad_scaler`` (fp16's, one per
+  ``distributed()`` scope, saved with ``accel.precision.scaling.scaler_state_dict``);
 - the optimizers prepared in the scope: weak references in
   ``scope().optimizers`` (for :func:`unscale_gradients` with no argument and
   for schedulers to find their optimizer);
@@ -21,7 +19,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -33,16 +30,15 @@ from accel.parallel.fsdp_params import (
     clip_by_total_norm,
     layout_groups,
 )
+from accel.precision.base import Layouts
+from accel.precision.registry import precision_for
 
 __all__ = [
     "PreparedOptimizer",
-    "active_scaler",
     "clip_grad_norm_",
     "clip_grad_value_",
-    "load_scaler_state_dict",
     "optimizer_step_was_skipped",
     "prepare_optimizer",
-    "scaler_state_dict",
     "unscale_gradients",
 ]
 
@@ -61,7 +57,7 @@ class _StepRecorder:
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         prepared = self.target()
         if prepared is not None:
-            prepared._stepped = True
+            prepared.step_ran = True
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
@@ -69,7 +65,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     ``state``, ``param_groups``, ``defaults``, ``state_dict()``, ``load_state_dict()`` and
     ``add_param_group()`` act on the user's optimizer (:attr:`optimizer`); other attributes
-    are looked up there too. Made by :func:`prepare_optimizer`.
+    are looked up there too. Made by :func:`prepare_optimizer`. The mode's precision unit
+    steps it (``accel.precision.base.StepRecord``: :attr:`scaler`, whether the last step was
+    skipped, whether the gradients were unscaled since, whether the real step ran).
 
     Example:
         >>> optimizer = accel.prepare_optimizer(torch.optim.AdamW(model.parameters()))
@@ -82,12 +80,12 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.scaler = scaler
         self.step_was_skipped = False
-        self._stepped = False
-        self._unscaled = False
-        self._hook: Any = None
+        self.step_ran = False
+        self.grads_unscaled = False
+        self.step_hook: Any = None
         if scaler is not None and isinstance(optimizer, torch.optim.Optimizer):
             # Once, at prepare time: lets step() tell a skipped step without patching.
-            self._hook = optimizer.register_step_post_hook(_StepRecorder(self))
+            self.step_hook = optimizer.register_step_post_hook(_StepRecorder(self))
 
     # -- pass-throughs -------------------------------------------------------------------
     @property
@@ -172,102 +170,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
         return self._step(closure, st)
 
     def _step(self, closure: Callable[[], float] | None, st: ProcessState) -> Any:
-        scaler = self.scaler
-        if scaler is None or st.mixed_precision != "fp16":
-            if closure is None:
-                return self.optimizer.step()
-            return self.optimizer.step(closure)
-        if st.mesh is not None:
-            _agree_on_overflow(scaler, self.optimizer, unscaled=self._unscaled)
-        if self._hook is not None:
-            self._stepped = False
-            result = scaler.step(self.optimizer) if closure is None else scaler.step(
-                self.optimizer, closure
-            )
-            scaler.update()
-            self.step_was_skipped = not self._stepped
-        else:  # not a torch Optimizer (no hooks): a skipped step lowers the scale
-            before = scaler.get_scale()
-            result = scaler.step(self.optimizer) if closure is None else scaler.step(
-                self.optimizer, closure
-            )
-            scaler.update()
-            self.step_was_skipped = scaler.get_scale() < before
-        self._unscaled = False
-        return result
+        layouts = layout_groups if st.mesh is not None else None  # as _layouts, inlined
+        return precision_for(st.mixed_precision).step(self, closure, layouts)
 
 
-def mesh_unscale(scaler: torch.amp.GradScaler, optimizer: Any) -> None:
-    """``scaler.unscale_(optimizer)``, also where gradients of several layouts sit together.
-
-    A tensor-parallel model's optimizer holds plain gradients (layers left whole, the same on
-    every TP rank) beside DTensor gradients on one or two meshes; torch's unscale takes one
-    kind per call. Under an N-D mesh each layout group is unscaled on its own (with torch's
-    own per-group step, so its overflow check reduces over the group's mesh) and the
-    overflow flags are merged per device, as ``unscale_`` records them.
-
-    Example:
-        >>> mesh_unscale(scaler, optimizer)
-    """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    groups = layout_groups(params) if state().mesh is not None else []
-    if len(groups) <= 1 or not scaler.is_enabled():
-        scaler.unscale_(optimizer)
-        return
-    from torch.amp.grad_scaler import OptState
-
-    record = scaler._per_optimizer_states[id(optimizer)]
-    if record["stage"] is not OptState.READY:
-        scaler.unscale_(optimizer)  # torch says what is wrong (unscaled twice, after step)
-        return
-    scale = scaler._scale
-    assert scale is not None
-    inv_scale = scale.double().reciprocal().float()
-    found: dict[torch.device, torch.Tensor] = {}
-    for group in groups:
-        proxy = SimpleNamespace(param_groups=[{"params": group}])
-        flag = torch.zeros((), dtype=torch.float32, device=scale.device)
-        for device, value in scaler._unscale_grads_(
-            proxy, inv_scale, flag, False  # type: ignore[arg-type]
-        ).items():
-            found[device] = value if device not in found else torch.maximum(found[device], value)
-    record["found_inf_per_device"] = found
-    record["stage"] = OptState.UNSCALED
-
-
-def _agree_on_overflow(scaler: torch.amp.GradScaler, optimizer: Any, *, unscaled: bool) -> None:
-    """Make every rank of an N-D mesh skip the step when any rank's gradients overflowed.
-
-    Each rank checks only its own pieces of sharded gradients (an inf in one TP or FSDP shard
-    is seen by one rank), and torch's check reduces over one mesh per call; without this, one
-    rank would skip the step while the others took it. One all-reduce of one flag per fp16
-    step, only under a mesh.
-    """
-    import torch.distributed as dist
-
-    if not unscaled:
-        mesh_unscale(scaler, optimizer)  # records found_inf per device (scaler.step reuses it)
-    found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-    if not found:  # no gradient on this rank: torch's GradScaler.step refuses it next
-        return
-    values = list(found.values())
-    flag = torch.stack([v.to(values[0].device).reshape(()) for v in values]).amax()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    for value in values:
-        value.copy_(flag.to(value.device))
-
-
-def active_scaler() -> torch.amp.GradScaler | None:
-    """The scope's GradScaler while the policy is fp16, else ``None`` (the loss is unscaled).
-
-    Example:
-        >>> scaler = active_scaler()
-        >>> scaled = loss if scaler is None else scaler.scale(loss)
-    """
-    scaler: torch.amp.GradScaler | None = scope().grad_scaler
-    if scaler is None or state().mixed_precision != "fp16":
-        return None
-    return scaler
+def _layouts(st: ProcessState) -> Layouts | None:
+    """How the precision unit groups gradients by layout: only under an N-D mesh."""
+    return layout_groups if st.mesh is not None else None
 
 
 def _registry() -> list[weakref.ref[Any]]:
@@ -341,12 +250,7 @@ def prepare_optimizer(optimizer: Any, *, device_placement: bool = True) -> Prepa
             "`accel.prepare_optimizer(torch.optim.AdamW(model.parameters()))`."
         )
     st = state()
-    sc = scope()
-    scaler: torch.amp.GradScaler | None = None
-    if st.mixed_precision == "fp16":
-        scaler = sc.grad_scaler
-        if scaler is None:
-            scaler = sc.grad_scaler = torch.amp.GradScaler(st.device.type)
+    scaler = precision_for(st.mixed_precision).optimizer_scaler()
     check_optimizer_parameters(optimizer)
     if device_placement:
         _place_state(optimizer, st.device)
@@ -374,37 +278,6 @@ def optimizer_step_was_skipped(optimizer: Any) -> bool:
     """
     prepared = _find_prepared(optimizer)
     return prepared is not None and prepared.step_was_skipped
-
-
-def scaler_state_dict() -> dict[str, Any] | None:
-    """The scope's fp16 GradScaler state (scale, growth tracker...), or ``None`` if none.
-
-    Example:
-        >>> saved = scaler_state_dict()
-        >>> load_scaler_state_dict(saved)  # later, e.g. after a restart
-    """
-    scaler = scope().grad_scaler
-    if scaler is None:
-        return None
-    result: dict[str, Any] = scaler.state_dict()
-    return result
-
-
-def load_scaler_state_dict(state_dict: dict[str, Any] | None) -> None:
-    """Restore the scope's fp16 GradScaler from :func:`scaler_state_dict`'s value.
-
-    ``None`` or an empty dict (saved without fp16) leaves it as it is. When the scope has no
-    scaler yet (no optimizer prepared under fp16), one is created on the state's device.
-
-    Example:
-        >>> load_scaler_state_dict(saved)
-    """
-    if not state_dict:
-        return
-    sc = scope()
-    if sc.grad_scaler is None:
-        sc.grad_scaler = torch.amp.GradScaler(state().device.type)
-    sc.grad_scaler.load_state_dict(state_dict)
 
 
 # -- gradient unscaling and clipping ------------------------------------------------------
@@ -438,9 +311,9 @@ def unscale_gradients(optimizer: Any = None) -> None:
         >>> accel.unscale_gradients(optimizer)
         >>> grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     """
-    sc = scope()
-    scaler = active_scaler()
-    if scaler is None or not sc.sync_gradients:
+    st = state()
+    unit = precision_for(st.mixed_precision)
+    if unit.active_scaler() is None or not scope().sync_gradients:
         return
     if optimizer is None:
         targets: list[Any] = _prepared_optimizers()
@@ -448,15 +321,10 @@ def unscale_gradients(optimizer: Any = None) -> None:
         targets = list(optimizer)
     else:
         targets = [optimizer]
+    layouts = _layouts(st)
     for target in targets:
-        prepared = _find_prepared(target)
-        if prepared is None:  # not prepared: the caller manages the scaler's stage
-            mesh_unscale(scaler, target)
-            continue
-        if prepared.scaler is None or prepared._unscaled:
-            continue
-        mesh_unscale(prepared.scaler, prepared.optimizer)
-        prepared._unscaled = True
+        # not prepared (None): the caller manages the scaler's stage
+        unit.unscale(target, _find_prepared(target), layouts)
 
 
 def clip_grad_norm_(
@@ -490,10 +358,7 @@ def clip_grad_norm_(
     sc = scope()
     if not sc.sync_gradients:
         norm = clip_by_total_norm(params, None, norm_type)
-        scaler = active_scaler()
-        if scaler is not None and scaler.is_enabled():
-            norm = norm / scaler.get_scale()
-        return norm
+        return precision_for(state().mixed_precision).unscaled_norm(norm)
     unscale_gradients()
     return clip_by_total_norm(params, max_norm, norm_type)
 

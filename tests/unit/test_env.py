@@ -1,8 +1,6 @@
 from __future__ import annotations
 
 import os
-import threading
-import warnings
 from typing import get_args
 
 import attrs
@@ -302,41 +300,3 @@ def test_cpu_count_is_the_affinity_mask() -> None:
     assert cpu_count() >= 1
     if expected is not None:
         assert cpu_count() == expected
-
-
-def test_fp8_warns_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    import accel
-    import accel.core.process_group as process_group
-
-    monkeypatch.setattr(process_group, "_FP8_SAID", threading.Event())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with accel.distributed(mixed_precision="fp8") as st:
-            assert st.mixed_precision == "fp8"
-            with accel.distributed(mixed_precision="fp8"):
-                pass
-    said = [w for w in caught if "fp8" in str(w.message)]
-    assert len(said) == 1 and said[0].category is UserWarning
-    assert "'fp8' runs as bf16 autocast" in str(said[0].message)
-    assert said[0].filename == __file__  # points at the caller's `with` line
-    with warnings.catch_warnings(record=True) as again:
-        warnings.simplefilter("always")
-        with accel.distributed(mixed_precision="fp8"):
-            pass
-        with accel.distributed(mixed_precision="bf16"):
-            pass
-    assert not [w for w in again if "fp8" in str(w.message)]
-
-
-def test_bf16_gives_no_fp8_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    import accel
-    import accel.core.process_group as process_group
-
-    fresh = threading.Event()
-    monkeypatch.setattr(process_group, "_FP8_SAID", fresh)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with accel.distributed(mixed_precision="bf16"):
-            pass
-    assert not [w for w in caught if "fp8" in str(w.message)]
-    assert not fresh.is_set()

@@ -26,6 +26,7 @@ from accel.parallel.fsdp_params import (
     plain_norm,
 )
 from accel.precision.casting import AutocastForward
+from accel.precision.registry import precision_for
 
 
 @contextmanager
@@ -149,11 +150,12 @@ def test_absent_class_names_it_and_lists_the_classes_present() -> None:
         accel.prepare_model(Net(), strategy="fsdp", shard_modules="Attention")
 
 
+@pytest.mark.filterwarnings("ignore:mixed_precision='fp8' runs as bf16:UserWarning")
 def test_mixed_precision_policy() -> None:
-    assert fsdp.mixed_precision_policy("no") is None
+    assert precision_for("no").fsdp_policy() is None
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),
                         ("fp8", torch.bfloat16)):
-        policy = fsdp.mixed_precision_policy(name)
+        policy = precision_for(name).fsdp_policy()
         assert (policy.param_dtype, policy.reduce_dtype) == (dtype, dtype)
         assert policy.output_dtype is None  # the autocast wrapper returns fp32
 

@@ -1,4 +1,7 @@
-"""autocast() and the mixed precision policy, on CPU (bf16 and fp16 really run reduced)."""
+"""autocast() and the mixed precision policy, on CPU (bf16 and fp16 really run reduced).
+
+The units themselves (registry, GradScaler life, fp8's note): test_precision_units.py.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import torch._dynamo  # imported here: it sets TORCHINDUCTOR_CACHE_DIR (conftest
 import accel
 from accel.core.state import ProcessState, Scope, set_state
 from accel.errors import ConfigError
-from accel.precision.casting import AutocastForward, autocast_dtype, outputs_to_fp32
+from accel.precision.casting import AutocastForward, outputs_to_fp32
+from accel.precision.registry import precision_for
 
 A = torch.ones(4, 4)
 
@@ -47,13 +51,14 @@ def test_autocast_overrides() -> None:
             assert _matmul_dtype() == torch.float32
 
 
+@pytest.mark.filterwarnings("ignore:mixed_precision='fp8' runs as bf16:UserWarning")
 def test_autocast_dtype_policy() -> None:
-    assert autocast_dtype("no") is None
-    assert autocast_dtype("bf16") is torch.bfloat16
-    assert autocast_dtype("fp16") is torch.float16
-    assert autocast_dtype("fp8") is torch.bfloat16
+    assert precision_for("no").forward_dtype() is None
+    assert precision_for("bf16").forward_dtype() is torch.bfloat16
+    assert precision_for("fp16").forward_dtype() is torch.float16
+    assert precision_for("fp8").forward_dtype() is torch.bfloat16
     with pytest.raises(ConfigError, match="'fp4'"):
-        autocast_dtype("fp4")
+        precision_for("fp4")
 
 
 Pair = namedtuple("Pair", ["a", "b"])
