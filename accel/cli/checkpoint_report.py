@@ -10,9 +10,12 @@ and describes the newest complete one. Directories written by Accelerate's ``sav
 described too (their files carry no checksums: only their structure is checked).
 
 :func:`verify_checkpoint` checks every checkpoint at a path the same way (a root: every
-``checkpoint_N``) and collects the problems; ``accel checkpoint verify`` exits non-zero when
-there is any. Files are opened as untrusted input (:mod:`accel._files.safe_io`): no link
-is followed, no special file is read, reads stop at the declared size.
+``checkpoint_N``) and collects the problems (a sharded object's pieces must cover each tensor
+exactly once; a sharded model's recorded mesh must have positive whole sizes that multiply
+to the number of ranks that wrote its pieces, else it is a problem, not reported as fact);
+``accel checkpoint verify`` exits non-zero when there is any. Files are opened as untrusted
+input (:mod:`accel._files.safe_io`): no link is followed, no special file is read, reads stop
+at the declared size.
 """
 
 from __future__ import annotations
@@ -167,6 +170,30 @@ def _counts_list(value: Any) -> bool:
         isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
 
 
+def _mesh_problem(name: str, saved: Any, ranks: list[int]) -> str | None:
+    """Why the mesh ``save_state`` recorded for sharded object ``name`` cannot be the one its
+    pieces were saved on (``None`` when it can): ``{"dims": [names], "shape": [sizes]}``
+    with one positive whole size per named dim, multiplying to the number of ranks that
+    wrote pieces, which are ranks 0 to that number - 1."""
+    end = " (save_state never records that: the file was altered; loading does not use it)"
+    if not isinstance(saved, Mapping):
+        return (f"{name}: the recorded mesh {saved!r:.120} is not a mapping {{'dims': [names], "
+                f"'shape': [sizes]}}{end}")
+    dims: Any = saved.get("dims")
+    shape: Any = saved.get("shape")
+    if not _names(dims) or len(set(dims)) != len(dims):
+        return f"{name}: the recorded mesh dims {dims!r:.120} are not 1 to 8 distinct names{end}"
+    if not _counts_list(shape) or len(shape) != len(dims):
+        return (f"{name}: the recorded mesh sizes {shape!r:.120} are not positive whole "
+                f"numbers, one for each of its dims {dims}{end}")
+    total = math.prod(shape)
+    if ranks != list(range(total)):
+        sizes = ", ".join(f"{d}={s}" for d, s in zip(dims, shape, strict=True))
+        return (f"{name}: the recorded mesh ({sizes}) spans {total} rank{'s' * (total != 1)}, "
+                f"but ranks {ranks} wrote its pieces{end}")
+    return None
+
+
 def _split_dims(pieces: Mapping[str, list[tuple[Any, Any]]]) -> list[int]:
     dims = {i for spots in pieces.values() for offset, _ in spots
             if isinstance(offset, list) for i, o in enumerate(offset) if o}
@@ -222,19 +249,25 @@ def _describe_accel(path: Path, tensors: bool, check_crc: bool) -> dict[str, Any
             item["tied"] = dict(extra["tied"])
         if isinstance(meta, Mapping):
             pieces = _pieces(bodies, name)
-            ranks = sorted({int(f.rsplit("rank", 1)[1].split(".")[0]) for f in own
-                            if _SHARDS in f})
+            ranks = sorted({int(rank) for f in own if _SHARDS in f
+                            if (rank := f.rsplit("rank", 1)[1].split(".")[0]).isdigit()})
             item["layout"] = f"sharded over ranks {ranks}"
             problems += _coverage(name, meta, pieces)
-            if mesh is None or "sizes" not in mesh:  # a model's record of the mesh wins
+            # a model's record of the mesh wins; one that cannot be right stays shown
+            if mesh is None or not {"sizes", "invalid"} & set(mesh):
                 mesh = {"world_size": manifest["world_size"], "dims": 1, "placement": "Shard("
                         + ",".join(map(str, _split_dims(pieces) or [0])) + ")"}
-            saved = extra.get("mesh") if isinstance(extra, Mapping) else None
-            if (isinstance(saved, Mapping) and _names(saved.get("dims"))
-                    and _counts_list(saved.get("shape"))
-                    and len(saved["dims"]) == len(saved["shape"])):
-                mesh.update(dims=len(saved["dims"]),
-                            sizes=dict(zip(saved["dims"], saved["shape"], strict=True)))
+            if isinstance(extra, Mapping) and "mesh" in extra:  # save_state records it
+                problem = _mesh_problem(name, extra["mesh"], ranks)
+                if problem is not None:
+                    problems.append(problem)
+                    if "invalid" not in mesh:
+                        mesh.pop("sizes", None)
+                        mesh.update(dims=None, invalid=problem)
+                elif "invalid" not in mesh:
+                    saved = extra["mesh"]
+                    mesh.update(dims=len(saved["dims"]),
+                                sizes=dict(zip(saved["dims"], saved["shape"], strict=True)))
         if tensors:
             item["tensors"] = _tensor_list(path, name, listed, meta, problems)
         objects.append(item)
@@ -351,8 +384,9 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
     Returns:
         ``{"path", "checkpoints": [{"path", "problems"}], "ok"}``; ``ok`` is ``False`` when any
-        file is missing, of another size, fails its CRC32 or its structure check, or when a
-        numbered checkpoint has no readable manifest.
+        file is missing, of another size, fails its CRC32 or its structure check, when a
+        sharded object's pieces do not cover it or its recorded mesh cannot be the one its
+        pieces were saved on, or when a numbered checkpoint has no readable manifest.
 
     Raises:
         CheckpointError: nothing at ``path`` is a checkpoint.
@@ -395,6 +429,10 @@ def format_report(report: Mapping[str, Any]) -> str:
         mesh = report["mesh"]
         if not mesh:
             lines.append("mesh: none (no sharded object)")
+        elif "invalid" in mesh:
+            lines.append(f"mesh: not known: the recorded mesh is invalid (see problems); "
+                         f"pieces over {mesh['world_size']} ranks split on dims "
+                         f"{mesh['placement'][6:-1]}")
         elif "sizes" in mesh:
             sizes = ", ".join(f"{k}={v}" for k, v in mesh["sizes"].items())
             lines.append(f"mesh: {mesh['dims']}-D ({sizes}) over {mesh['world_size']} ranks, "

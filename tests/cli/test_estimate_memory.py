@@ -226,6 +226,9 @@ def test_bad_models_are_clear_errors(
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad.json").write_text('{"model_type": "no-such-model"}')
     (tmp_path / "notjson.json").write_text("{oops")
+    (tmp_path / "refused.json").write_text(json.dumps(  # a field of the wrong type
+        {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4,
+         "layer_norm_epsilon": "tiny"}))
     (tmp_path / "weird_models.py").write_text(
         "def build():\n    return 3\n\ndef needs(size):\n    return size\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -235,6 +238,7 @@ def test_bad_models_are_clear_errors(
         str(tmp_path / "empty"): "holds no config.json",
         str(tmp_path / "bad.json"): "model_type='no-such-model'",
         str(tmp_path / "notjson.json"): "cannot be read as JSON",
+        str(tmp_path / "refused.json"): "transformers refuses the model config",
         "weird_models:build": "returned a int, not a torch.nn.Module",
         "weird_models:needs": "Calling 'weird_models:needs' to build the model raised TypeError",
         "no_such_module_here:build": "Cannot import 'no_such_module_here'",
@@ -243,3 +247,18 @@ def test_bad_models_are_clear_errors(
         assert main(["estimate-memory", source]) == 2
         err = capsys.readouterr().err
         assert words in err, (source, err)
+
+
+def test_a_config_object_with_sizes_no_model_has_is_refused_before_building(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from transformers import GPT2Config
+
+    from accel.cli import model_source
+
+    def never_built(*args: object) -> None:
+        raise AssertionError("the model was being built: its sizes were not refused first")
+
+    monkeypatch.setattr(model_source, "_from_config", never_built)
+    with pytest.raises(accel.ConfigError, match=r"gives n_layer=1000000000; a layer count"):
+        accel.estimate_memory(GPT2Config(n_layer=10**9, n_embd=64, n_head=4))
