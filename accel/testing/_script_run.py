@@ -41,9 +41,9 @@ __all__ = ["RunningScript", "run_script", "start_script"]
 
 _GRACE_S = 3.0  # after one rank fails, how long the others get to end (as run_distributed)
 _POLL_S = 0.005  # wait_for's polling interval
-_HOST = "localhost"
+_HOST = "localhost"  # torch's agent gives its workers this MASTER_ADDR on one machine
 _STACK_SIGNAL = signal.SIGUSR2  # dumps a rank's Python stacks (faulthandler) before a kill
-_STACK_WAIT_S = 0.5  # torch's agent gives its workers this MASTER_ADDR on one machine
+_STACK_WAIT_S = 0.5  # how long the ranks get to write their stacks
 
 
 def _script_worker(script: str, args: tuple[str, ...], cwd: str, environ: dict[str, str],

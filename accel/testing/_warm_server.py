@@ -8,17 +8,38 @@ far (torch, accel and what they imported) to the collector's permanent generatio
 (e.g. the one ``accel.distributed()`` makes when it leaves its group) looks only at what the
 process created, instead of touching, and so copying, every page inherited from the server
 (~0.3 s a process).
+
+On Linux the server also ends what each process it forks leaves behind when it ends (the
+processes a script started, in a new session or not): see
+:func:`accel.testing._forkserver.end_what_workers_leave`.
 """
 
 from __future__ import annotations
 
 import gc
 import importlib
+import sys
+from multiprocessing import forkserver
 
 import accel
+from accel.testing._forkserver import end_what_workers_leave
+
+
+def _in_fork_server() -> bool:
+    """Whether this import runs in the fork server's start (``forkserver.main``'s preload)."""
+    frame = sys._getframe()
+    while frame.f_back is not None:
+        frame = frame.f_back
+        if frame.f_code is forkserver.main.__code__:
+            return True
+    return False
+
 
 for _module in sorted(set(accel._LAZY.values())):
     importlib.import_module(_module)
+
+if _in_fork_server():
+    end_what_workers_leave()
 
 gc.collect()
 gc.freeze()
