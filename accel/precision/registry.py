@@ -8,7 +8,6 @@ choices, which ``distributed()`` checks without importing this package).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import MappingProxyType
 
 from accel.errors import ConfigError
 from accel.precision.base import Precision
@@ -17,12 +16,14 @@ from accel.precision.half import BFloat16, Float16
 
 __all__ = ["PRECISIONS", "precision_for"]
 
-PRECISIONS: Mapping[str, Precision] = MappingProxyType({
+# a plain dict (typed read-only): precision_for looks it up on every backward and step, and a
+# MappingProxyType lookup costs more
+PRECISIONS: Mapping[str, Precision] = {
     "no": Precision(),
     "fp16": Float16(),
     "bf16": BFloat16(),
     "fp8": Float8(),
-})
+}
 """Each ``mixed_precision`` mode and its unit (frozen and stateless: one instance serves every
 block and thread)."""
 

@@ -6,7 +6,7 @@ Where things live:
   .sync_gradients``, set by :func:`accumulate` at the start of each block and left as it is
   after the block (so ``if accel.sync_gradients():`` after the block works, as in Accelerate);
 - the accumulation counter: in the scope, per first model given to :func:`accumulate`
-  (``scope().model_steps``, weakly keyed by the model: nothing is written on the user's
+  (``scope().model_steps``, an entry per live model: nothing is written on the user's
   object), or in ``scope().accumulation_step`` when it is called without models;
   :func:`accumulation_step` and :func:`set_accumulation_step` read and write it (checkpoints
   save and restore it);
@@ -68,7 +68,7 @@ def set_accumulation_step(step: int, model: nn.Module | None = None) -> None:
     if model is None:
         scope().accumulation_step = step
     else:
-        scope().model_steps[model] = step
+        scope().model_steps.set(model, step)
 
 
 def backward(loss: torch.Tensor, **kwargs: Any) -> None:
@@ -178,12 +178,14 @@ class _Accumulate:
         models = self._models
         if end:
             step = 0
-        else:  # batches since the last sync step
-            last = sc.model_steps.get(models[0], 0) if models else sc.accumulation_step
-            step = ((last or 0) + 1) % steps
-        if models:
-            sc.model_steps[models[0]] = step
+            if models:
+                sc.model_steps.set(models[0], 0)
+            else:
+                sc.accumulation_step = 0
+        elif models:  # batches since the last sync step
+            step = sc.model_steps.advance(models[0], steps)
         else:
+            step = ((sc.accumulation_step or 0) + 1) % steps
             sc.accumulation_step = step
         sync = step == 0
         sc.sync_gradients = sync

@@ -103,3 +103,22 @@ def test_accumulation_step_accessors() -> None:
         with accel.accumulate() as sync:
             assert sync
         assert accumulation_step() == 0
+
+
+def test_object_counts_keep_a_count_per_live_object() -> None:
+    from accel.core.state import ObjectCounts
+
+    class Thing:
+        pass
+
+    counts, a, b = ObjectCounts(), Thing(), Thing()
+    assert counts.get(a) is None and counts.get(a, 0) == 0
+    counts.set(a, 2)
+    counts.set(b, 1)
+    counts.set(a, 3)
+    assert (counts.get(a), counts.get(b), len(counts)) == (3, 1, 2)
+    assert "_accel" not in str(vars(a))  # nothing written on the object
+    del a
+    assert len(counts) == 1  # the entry went with its object
+    c = Thing()
+    assert counts.get(c) is None  # a new object (even one reusing an id) starts from nothing
