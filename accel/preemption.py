@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from accel.core.state import ScopeSlot, at_block_exit, current_gate, has_active_state, state
+from accel.core.scope import ScopeSlot, at_block_exit
+from accel.core.state import current_gate, has_active_state, state
 from accel.errors import GatedCollectiveError, NotDistributedError
 
 __all__ = ["stop_requested"]

@@ -18,6 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from accel.big_model import init as _big_model_init
+from accel.core import scope as _scope
 from accel.core import state as _state
 from accel.errors import ConfigError
 from accel.testing import preload
@@ -26,7 +27,7 @@ from accel.trackers import _RUN as _TRACKING_RUN
 # every ContextVar accel owns, with the value it holds outside any accel block
 _CONTEXT_VARS = {
     "accel.core.state._STATE (the process state)": (_state._STATE, None),
-    "accel.core.state._SCOPE (the distributed() scope record)": (_state._SCOPE, None),
+    "accel.core.scope._SCOPE (the distributed() scope record)": (_scope._SCOPE, None),
     "accel.core.state._GATE (the rank gate)": (_state._GATE, None),
     "accel.big_model.init._CURRENT (init_empty_weights)": (_big_model_init._CURRENT, None),
     "accel.trackers._RUN (the tracking run)": (_TRACKING_RUN, None),
@@ -71,7 +72,7 @@ def _no_leaks() -> Iterator[None]:
     env_before = _environ()
     threads_before = {t.ident for t in threading.enumerate()}
     yield
-    _state.reset_detached_scope()  # what set_trigger() etc. did outside any block
+    _scope.reset_detached_scope()  # what set_trigger() etc. did outside any block
     for name, (var, outside) in _CONTEXT_VARS.items():
         assert var.get(None) is outside, f"a test left {name} set (ContextVar leak)"
     assert not (dist.is_available() and dist.is_initialized()), (

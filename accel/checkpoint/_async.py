@@ -35,7 +35,7 @@ from accel._files.format import FileRecord
 from accel._files.writer import PlannedFile, write_files
 from accel.comm.collectives import begin
 from accel.comm.failures import describe, rank_errors
-from accel.core.state import ScopeSlot, at_block_exit, scope
+from accel.core.scope import ScopeSlot, at_block_exit, scope
 
 if TYPE_CHECKING:  # _saving (and the model code it needs) loads with the first save
     from accel.checkpoint._saving import SaveJob

@@ -44,7 +44,7 @@ from accel.checkpoint.layout import MANIFEST
 from accel.comm.collectives import gather_object
 from accel.comm.failures import agree_on_failure
 from accel.comm.gating import get_logger
-from accel.core.state import scope
+from accel.core.scope import scope
 from accel.errors import CheckpointError
 from accel.weights.stream import read_weights
 

@@ -58,8 +58,9 @@ from accel.checkpoint.sharded.pieces import check_layout
 from accel.checkpoint.sharded.reshard import resolve
 from accel.comm.collectives import begin, gather_object
 from accel.comm.failures import agree_on_failure, describe
+from accel.core.scope import scope
 from accel.core.settings import cpu_count, did_you_mean
-from accel.core.state import has_active_state, scope, state
+from accel.core.state import has_active_state, state
 from accel.errors import AccelError, CheckpointArgumentError, CheckpointError
 from accel.training.accumulation import set_accumulation_step
 

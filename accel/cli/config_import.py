@@ -10,24 +10,21 @@ YAML is read with PyYAML's safe loader (no object construction), from the option
 ``accel[yaml]``; accel never needs PyYAML otherwise. JSON config files (Accelerate reads
 those too) need nothing.
 
-The file is read as untrusted input: at most :data:`_MAX_BYTES` (``accelerate config``
-writes a few hundred), nesting at most :data:`_MAX_DEPTH` containers deep, and without YAML
-anchors or aliases (``&name`` / ``*name``: a few hundred bytes of nested aliases expand to
-gigabytes, the "billion laughs"; Accelerate never writes them). The report shows a value
-longer than :data:`_PREVIEW` characters as a preview of that length.
+The file is read as untrusted input (:mod:`accel.cli.config_reading`: bounded size and
+nesting, no YAML anchors or aliases). The report shows a value longer than :data:`_PREVIEW`
+characters as a preview of that length.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from accel.cli.config_reading import clip, read_config_file
 from accel.core.config_file import check_consistency, config_path
 from accel.core.env import environ_snapshot
 from accel.core.settings import did_you_mean, validate_setting
@@ -38,11 +35,7 @@ __all__ = [
     "toml_text",
 ]
 
-_MAX_BYTES = 1 << 20
-_MAX_DEPTH = 32  # containers within containers (the file's top-level mapping is one)
 _PREVIEW = 200  # characters of a value's repr that the report shows
-# what the JSON scan looks at: strings (keys), brackets, commas and colons
-_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{},:]')
 
 # Accelerate 1.15: BaseConfig + ClusterConfig fields, SageMakerConfig fields, legacy keys that
 # its loader converts (fp16, dynamo_backend).
@@ -157,11 +150,6 @@ def accelerate_config_path(environ: Mapping[str, str] | None = None) -> Path:
     return Path(os.path.expanduser(home)) / "accelerate" / "default_config.yaml"
 
 
-def _clip(text: str, limit: int = _PREVIEW) -> str:
-    """``text``, or its first ``limit`` characters and how long it was."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
-
-
 @attrs.frozen
 class _Preview:
     """Stands for a long value in the report: its ``repr`` is the first characters of the
@@ -176,151 +164,7 @@ class _Preview:
 def _shown(value: Any) -> Any:
     """``value``, or a :class:`_Preview` of it when its ``repr`` is long."""
     text = repr(value)
-    return value if len(text) <= _PREVIEW else _Preview(_clip(text))
-
-
-def _parse(path: Path) -> dict[str, Any]:
-    from accel._files.safe_io import read_bounded
-    from accel.errors import CheckpointError
-
-    where = os.fspath(path)
-    try:
-        size = os.stat(path).st_size
-        if size > _MAX_BYTES:
-            raise ConfigError(
-                f"The Accelerate config {where!r} is {size} bytes, more than the {_MAX_BYTES} "
-                "accel reads for one (`accelerate config` writes a few hundred). Give the "
-                "Accelerate config file itself: `accel config import "
-                "path/to/default_config.yaml`. Nothing was written."
-            )
-        raw = read_bounded(path, _MAX_BYTES, follow_links=True)
-    except FileNotFoundError:
-        raise ConfigError(
-            f"There is no Accelerate config at {where!r}. Give its path: `accel config import "
-            "path/to/default_config.yaml`."
-        ) from None
-    except CheckpointError:  # a FIFO or a device, or it grew past the limit while read
-        raise ConfigError(
-            f"The Accelerate config {where!r} is not a regular file of at most {_MAX_BYTES} "
-            "bytes. Give the file `accelerate config` wrote: `accel config import "
-            "path/to/default_config.yaml`."
-        ) from None
-    except OSError as exc:
-        raise ConfigError(f"Cannot read the Accelerate config {where!r} ({exc}).") from None
-    if path.suffix == ".json":
-        _check_json_depth(raw, where)
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except ValueError as exc:
-            raise ConfigError(f"{where!r} is not valid JSON ({exc}).") from None
-    else:
-        data = _load_yaml(raw, where)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict) or not all(isinstance(k, str) for k in data):
-        raise ConfigError(
-            f"{where!r} holds a {type(data).__name__}, not a mapping of keys to values; an "
-            "Accelerate config file is `key: value` lines (as `accelerate config` writes)."
-        )
-    return data
-
-
-def _too_deep(where: str, place: str) -> ConfigError:
-    return ConfigError(
-        f"{where!r}: {_clip(place or 'the top level', 120)} nests more than {_MAX_DEPTH} "
-        "levels deep (containers within containers); an Accelerate config nests a few at "
-        "most. Flatten that value (`accelerate config` writes a valid file). Nothing was "
-        "written."
-    )
-
-
-def _check_json_depth(raw: bytes, where: str) -> None:
-    """Refuse JSON nesting more than :data:`_MAX_DEPTH` containers deep, naming where, before
-    parsing it (the parser recurses once per level). A scan without recursion."""
-    stack: list[list[Any]] = []  # per open container: [is an object, the key or index]
-    last = b""
-    for match in _JSON_TOKEN.finditer(raw):
-        token = match.group()
-        if token in (b"{", b"["):
-            if len(stack) >= _MAX_DEPTH:
-                place = "".join(f"[{label}]" if not is_object else f".{label}"
-                                for is_object, label in stack)
-                raise _too_deep(where, place.lstrip("."))
-            stack.append([token == b"{", 0 if token == b"[" else "?"])
-        elif token in (b"}", b"]"):
-            if stack:
-                stack.pop()
-        elif token == b":":
-            if stack and stack[-1][0]:
-                try:
-                    key = json.loads(last)
-                except ValueError:
-                    key = last.decode("utf-8", "replace")
-                stack[-1][1] = _clip(str(key), 60)
-        elif token == b",":
-            if stack and not stack[-1][0]:
-                stack[-1][1] += 1
-        else:
-            last = token
-
-
-def _yaml_loader(yaml: Any, where: str) -> Any:
-    """PyYAML's SafeLoader refusing anchors, aliases and deep nesting as it composes (before
-    anything is expanded), naming where in the file."""
-
-    class Loader(yaml.SafeLoader):  # type: ignore[misc, unused-ignore]
-        def __init__(self, stream: Any) -> None:
-            super().__init__(stream)
-            self.path: list[str] = []
-
-        def compose_node(self, parent: Any, index: Any) -> Any:
-            if parent is None:
-                label = ""
-            elif isinstance(index, int):
-                label = f"[{index}]"
-            elif isinstance(index, yaml.ScalarNode):
-                label = f".{_clip(str(index.value), 60)}"
-            else:  # a key (or a key that is itself a collection)
-                label = ".?"
-            self.path.append(label)
-            try:
-                event = self.peek_event()
-                place = "".join(self.path).lstrip(".")
-                if isinstance(event, yaml.AliasEvent) or event.anchor is not None:
-                    alias = isinstance(event, yaml.AliasEvent)
-                    name = ("*" if alias else "&") + _clip(str(event.anchor), 40)
-                    raise ConfigError(
-                        f"{where!r}: {_clip(place or 'the top level', 120)} uses a YAML "
-                        f"{'alias' if alias else 'anchor'} ({name}); accel reads Accelerate "
-                        "config files without anchors and aliases (a few hundred bytes of "
-                        "nested aliases expand to gigabytes), and `accelerate config` never "
-                        "writes them. Write the value out in full, without `&name` and "
-                        "`*name`. Nothing was written."
-                    )
-                collection = isinstance(event, yaml.CollectionStartEvent)
-                if collection and len(self.path) > _MAX_DEPTH:
-                    raise _too_deep(where, place)
-                return super().compose_node(parent, index)
-            finally:
-                self.path.pop()
-
-    return Loader
-
-
-def _load_yaml(raw: bytes, where: str) -> Any:
-    try:
-        import yaml  # type: ignore[import-untyped, import-not-found, unused-ignore]
-    except ImportError:
-        raise ConfigError(
-            f"Reading the YAML file {where!r} needs PyYAML, from the optional extra `yaml`: "
-            "`pip install 'accel[yaml]'` (or `pip install pyyaml`)."
-        ) from None
-    try:
-        # a SafeLoader (no object is constructed) that refuses anchors, aliases, deep nesting
-        return yaml.load(raw.decode("utf-8"), Loader=_yaml_loader(yaml, where))
-    except (yaml.YAMLError, ValueError, OverflowError) as exc:  # ValueError: not UTF-8, an
-        # integer of over 4300 digits, a date that does not exist (2001-13-45)...
-        raise ConfigError(f"{where!r} is not valid YAML ({_clip(str(exc), 600)}).") from None
+    return value if len(text) <= _PREVIEW else _Preview(clip(text))
 
 
 def _empty(value: Any) -> bool:
@@ -351,7 +195,7 @@ def _validated(accel_key: str, value: Any, where: str) -> object:
     text = repr(value)
     if len(text) > _PREVIEW:
         raise ConfigError(
-            f"{where}={_clip(text)} is too long for the setting {accel_key!r} (no value of it "
+            f"{where}={clip(text)} is too long for the setting {accel_key!r} (no value of it "
             f"is over {_PREVIEW} characters). Fix that key (`accelerate config` writes a valid "
             "file). Nothing was written."
         )
@@ -380,7 +224,7 @@ def _parallelism(
 def _other(key: str, value: Any) -> Outcome:
     if _empty(value):
         return Outcome(key, value, "not needed", reason="the value is what accel does anyway")
-    shown = _clip(str(value), 80) if key in ("gpu_ids", "rdzv_backend") else ""
+    shown = clip(str(value), 80) if key in ("gpu_ids", "rdzv_backend") else ""
     reasons: dict[str, str] = {
         "compute_environment": "SageMaker is not supported; accel runs where it is launched",
         "gpu_ids": f"no config key: launch with `CUDA_VISIBLE_DEVICES={shown}`",
@@ -422,7 +266,7 @@ def map_keys(data: Mapping[str, Any], origin: str) -> tuple[dict[str, object], l
         hints = []
         for key in unknown[:10]:
             hint = did_you_mean(key, known) if len(key) <= 100 else ""
-            hints.append(f"{_clip(repr(key), 80)}{hint}")
+            hints.append(f"{clip(repr(key), 80)}{hint}")
         if len(unknown) > 10:
             hints.append(f"and {len(unknown) - 10} more")
         raise ConfigError(
@@ -537,10 +381,10 @@ def import_accelerate_config(
         {'strategy': 'fsdp', 'mixed_precision': 'bf16', 'num_processes': 8}
     """
     path = accelerate_config_path() if source is None else Path(source).expanduser()
-    settings, outcomes = map_keys(_parse(path), os.fspath(path))
+    settings, outcomes = map_keys(read_config_file(path), os.fspath(path))
     for outcome in outcomes:
         if report is not None:
-            report(attrs.evolve(outcome, key=_clip(outcome.key), value=_shown(outcome.value)))
+            report(attrs.evolve(outcome, key=clip(outcome.key), value=_shown(outcome.value)))
     out: Path | None = None
     if write:
         out, _ = config_path(target)

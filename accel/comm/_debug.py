@@ -17,7 +17,8 @@ import torch.distributed as dist
 from accel.errors import CollectiveMismatchError, CollectiveTimeoutError, NotDistributedError
 
 if TYPE_CHECKING:
-    from accel.core.state import ProcessState, Scope
+    from accel.core.scope import Scope
+    from accel.core.state import ProcessState
 
 __all__ = ["check_signatures"]
 

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from accel.comm._debug import check_signatures
-from accel.core.state import ProcessState, current_gate, scope, state
+from accel.core.scope import scope
+from accel.core.state import ProcessState, current_gate, state
 from accel.core.tree import first_non_tensor, map_tensors, tensor_leaves
 from accel.errors import (
     CollectiveArgumentError,

@@ -2,7 +2,7 @@
 
 Prepared loaders complete their last round with samples repeated from the start of the epoch
 (``even_batches``, iterable datasets, dispatched batches). On the last batch of the active
-prepared loader (``accel.core.state.scope().active_loaders[-1]``), :func:`gather_for_metrics`
+prepared loader (``accel.core.scope.scope().active_loaders[-1]``), :func:`gather_for_metrics`
 keeps only the real samples of each rank, so that over an epoch the gathered results hold
 every sample of the dataset exactly once, in order.
 """
@@ -17,7 +17,8 @@ import attrs
 import torch
 
 from accel.comm.collectives import gather, gather_object, refuse_gated
-from accel.core.state import scope, state
+from accel.core.scope import scope
+from accel.core.state import state
 from accel.core.tree import first_non_tensor, map_tensors, tensor_leaves, zip_map_tensors
 
 __all__ = ["FinalRound", "gather_for_metrics", "merge_gathered_objects", "trim_gathered"]

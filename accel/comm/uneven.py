@@ -15,7 +15,8 @@ import torch
 from torch.distributed.algorithms.join import Join, Joinable
 
 from accel.comm.collectives import begin
-from accel.core.state import scope, state
+from accel.core.scope import scope
+from accel.core.state import state
 from accel.errors import ArgumentTypeError
 
 __all__ = ["join_uneven_inputs"]

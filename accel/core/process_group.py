@@ -15,6 +15,7 @@ from accel.core.config_file import load_config
 from accel.core.env import LaunchEnv, read_launch_env, read_variable
 from accel.core.mesh import SIZE_KEYS, build_mesh, mesh_shape
 from accel.core.options import check_options
+from accel.core.scope import Scope, run_exit_steps
 from accel.core.seeding import set_seed
 from accel.core.settings import (
     BACKENDS,
@@ -28,11 +29,9 @@ from accel.core.settings import (
 from accel.core.state import (
     Place,
     ProcessState,
-    Scope,
     find_place,
     has_active_state,
     resolve_policy,
-    run_exit_steps,
     set_state,
     state,
 )

@@ -15,7 +15,7 @@ rank must prepare the loader, as with every ``prepare_*``). Samplers, batch samp
 datasets with ``set_epoch`` are told the epoch. A new iteration starts a new epoch;
 ``set_epoch(e)`` chooses it.
 
-While iterating, the loader is registered in ``accel.core.state.scope().active_loaders`` (innermost
+While iterating, the loader is registered in ``accel.core.scope.scope().active_loaders`` (innermost
 last) and keeps ``end_of_dataloader`` (the batch just yielded is the last),
 ``final_round`` (:class:`~accel.comm.metrics.FinalRound` of the last round, on the last batch) and
 ``remainder`` (real samples in the final global batch, ``-1`` when unknown) up to date, for

@@ -8,7 +8,7 @@ date. What differs between modes sits in a :class:`LoaderMode`, chosen once by
 sharded batch sampler), :class:`~accel.data._stream_mode.StreamMode` (iterable datasets read by
 every rank) and :class:`~accel.data._dispatch_mode.DispatchMode` (rank 0 reads, broadcasts).
 
-While iterating, the loader is registered in ``accel.core.state.scope().active_loaders``
+While iterating, the loader is registered in ``accel.core.scope.scope().active_loaders``
 (innermost last) for :func:`accel.gather_for_metrics` and ``accel.accumulate``.
 """
 
@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from accel.comm.metrics import FinalRound
-from accel.core.state import scope
+from accel.core.scope import scope
 from accel.core.tree import map_tensors
 from accel.data._epoch_seeds import Reseeder, WorkerSeeds
 from accel.data._loader_state import loader_state, read_loader_state

@@ -14,7 +14,7 @@ import attrs
 from torch.utils.data import BatchSampler, DataLoader
 
 from accel.comm.metrics import FinalRound
-from accel.core.state import scope
+from accel.core.scope import scope
 from accel.data._batch_sampler import ShardedBatchSampler, ShardSpec
 from accel.data._epoch_seeds import Reseeder, seeded_copy
 from accel.data._loader_state import shuffle_reseeder

@@ -24,7 +24,7 @@ import gc
 
 import torch
 
-from accel.core.state import at_block_exit, scope
+from accel.core.scope import at_block_exit, scope
 
 __all__ = ["collect_garbage_at_exit", "release_ddp_reducers", "watch_reducers"]
 

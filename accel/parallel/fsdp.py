@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from torch import nn
 
+from accel.core.scope import ScopeSlot
 from accel.core.settings import FSDP_KEYS, did_you_mean
-from accel.core.state import ProcessState, ScopeSlot, state
+from accel.core.state import ProcessState, state
 from accel.errors import ConfigError
 from accel.parallel.blocks import declared_blocks
 from accel.parallel.fsdp_params import mark_replaced

@@ -23,7 +23,8 @@ import attrs
 import torch
 from torch import nn
 
-from accel.core.state import ScopeSlot, state
+from accel.core.scope import ScopeSlot
+from accel.core.state import state
 from accel.errors import StaleParametersError
 
 __all__ = [

@@ -17,7 +17,8 @@ import attrs
 import torch
 from torch import nn
 
-from accel.core.state import scope, state
+from accel.core.scope import scope
+from accel.core.state import state
 from accel.precision.base import Layouts, Precision, StepRecord
 from accel.precision.scaling import mesh_unscale, scaled_step, scope_scaler
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from accel.core.state import scope, state
+from accel.core.scope import scope
+from accel.core.state import state
 from accel.precision.base import Layouts, StepRecord
 
 __all__ = [

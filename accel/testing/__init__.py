@@ -24,8 +24,9 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from accel.core.env import environ_snapshot
+from accel.core.scope import Scope
 from accel.core.settings import cpu_count
-from accel.core.state import ProcessState, Scope, set_state
+from accel.core.state import ProcessState, set_state
 from accel.errors import CollectiveTimeoutError, ConfigError, RemoteError
 from accel.testing._forkserver import add_preload, context
 from accel.testing._script_result import ScriptResult

@@ -2,7 +2,7 @@
 
 Where things live:
 
-- the sync flag (does this batch end an optimizer step?): ``accel.core.state.scope()
+- the sync flag (does this batch end an optimizer step?): ``accel.core.scope.scope()
   .sync_gradients``, set by :func:`accumulate` at the start of each block and left as it is
   after the block (so ``if accel.sync_gradients():`` after the block works, as in Accelerate);
 - the accumulation counter: in the scope, per first model given to :func:`accumulate`
@@ -26,7 +26,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accel.core.state import scope, state
+from accel.core.scope import scope
+from accel.core.state import state
 from accel.errors import ArgumentTypeError
 from accel.parallel.fsdp_params import set_gradient_sync
 from accel.precision.registry import precision_for

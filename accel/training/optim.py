@@ -2,7 +2,7 @@
 
 Where things live:
 
-- whether the current batch is a sync step: ``accel.core.state.scope().sync_gradients`` (set by
+- whether the current batch is a sync step: ``accel.core.scope.scope().sync_gradients`` (set by
   ``accel.accumulate``; ``True`` when no accumulation is used);
 - loss scaling: the unit of the state's mixed precision mode
   (``accel.precision.registry.precision_for``) makes the GradScaler, steps through it, unscales
@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from accel.core.state import ProcessState, scope, state
+from accel.core.scope import scope
+from accel.core.state import ProcessState, state
 from accel.errors import ArgumentTypeError, NotPicklableError
 from accel.parallel.fsdp_params import (
     check_optimizer_parameters,

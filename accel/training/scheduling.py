@@ -11,7 +11,8 @@ from typing import Any
 
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from accel.core.state import scope, state
+from accel.core.scope import scope
+from accel.core.state import state
 from accel.errors import ArgumentTypeError
 from accel.training.optim import PreparedOptimizer, _find_prepared
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import accel
 
 with accel.distributed(gradient_accumulation_steps=2) as st:
-    created = accel.core.state.scope().created_group
+    created = accel.core.scope.scope().created_group
     total = accel.reduce(torch.tensor([float(st.rank + 1)])).item()
     gathered = accel.gather_object(st.rank)
     if st.is_main_process:

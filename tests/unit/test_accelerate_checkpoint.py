@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accel
 from accel.checkpoint.accelerate_format import AccelerateCheckpointInfo
-from accel.core.state import scope
+from accel.core.scope import scope
 from accel.errors import CheckpointError
 
 BENCH_PYTHON = Path("/work/benchvenv/bin/python")

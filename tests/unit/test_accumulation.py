@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import accel
-from accel.core.state import ProcessState, Scope, scope, set_state
+from accel.core.scope import Scope, scope
+from accel.core.state import ProcessState, set_state
 from accel.training.accumulation import accumulation_step
 
 

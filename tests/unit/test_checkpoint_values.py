@@ -24,7 +24,7 @@ from torch import nn
 import accel
 from accel._files.values import check_gradients, check_rng, check_values
 from accel.checkpoint.rng import get_rng_state
-from accel.core.state import scope
+from accel.core.scope import scope
 from accel.errors import CheckpointError
 
 

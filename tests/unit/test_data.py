@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler
 
-from accel.core.state import ProcessState, Scope, scope, set_state
+from accel.core.scope import Scope, scope
+from accel.core.state import ProcessState, set_state
 from accel.data import (
     PreparedDataLoader,
     prepare_data_loader,

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import accel
-from accel.core.state import ProcessState, Scope, set_state
+from accel.core.scope import Scope
+from accel.core.state import ProcessState, set_state
 from accel.errors import AccelError, ConfigError, StaleParametersError
 from accel.parallel import fsdp
 from accel.parallel.fsdp_params import (

@@ -34,8 +34,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("features", ("accel.data", "accel.data.*", "accel.parallel", "accel.parallel.*")),
     ("distributed", ("accel.core.process_group",)),
     ("state", (
-        "accel.core", "accel.core.state", "accel.core.options", "accel.core.mesh",
-        "accel.core.seeding", "accel.core.tree", "accel.core.sizes", "accel.core.lazy",
+        "accel.core", "accel.core.state", "accel.core.scope", "accel.core.options",
+        "accel.core.mesh", "accel.core.seeding", "accel.core.tree", "accel.core.sizes",
+        "accel.core.lazy",
     )),
     ("config file", ("accel.core.config_file",)),
     ("environment", ("accel.core.env",)),

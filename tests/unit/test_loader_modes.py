@@ -12,7 +12,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 import accel
-from accel.core.state import ProcessState, Scope, set_state
+from accel.core.scope import Scope
+from accel.core.state import ProcessState, set_state
 from accel.data import prepare_data_loader
 from accel.data._dispatch_mode import DispatchMode
 from accel.data._loader import PreparedDataLoader

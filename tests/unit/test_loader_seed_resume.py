@@ -18,7 +18,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import accel
-from accel.core.state import ProcessState, Scope, set_state
+from accel.core.scope import Scope
+from accel.core.state import ProcessState, set_state
 from accel.data import prepare_data_loader, skip_first_batches
 from accel.data._epoch_seeds import Reseeder
 from accel.data._loader_state import read_loader_state

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import accel
 from accel import memory
+from accel.core import scope as _scope
 from accel.core import state as _state
 from accel.errors import ConfigError, NoExecutableBatchSizeError
 from accel.memory import is_out_of_memory
@@ -186,7 +187,7 @@ def test_join_overrides_even_batches_for_the_block() -> None:
 
     loader, other = Loader(), Loader()
     with fake_state() as _:
-        record = _state.scope()
+        record = _scope.scope()
         record.active_loaders.append(loader)
         with accel.join_uneven_inputs([], even_batches=False):
             assert loader.even_batches is False

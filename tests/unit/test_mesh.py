@@ -14,7 +14,7 @@ import accel
 from accel.core.mesh import MeshShape, mesh_shape
 from accel.errors import ConfigError
 from accel.launch.run import add_launch_options, command_line_settings
-from accel.parallel.tensor_parallel import matching_modules, model_plan, to_style
+from accel.parallel.tp_plan import matching_modules, model_plan, to_style
 from tests import mesh_models as mm
 
 

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader
 
 import accel.comm.metrics as metrics
 from accel.comm.metrics import FinalRound, gather_for_metrics, merge_gathered_objects, trim_gathered
-from accel.core.state import ProcessState, Scope, set_state
+from accel.core.scope import Scope
+from accel.core.state import ProcessState, set_state
 from accel.core.tree import zip_map_tensors
 from accel.data import prepare_data_loader
 

@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 import accel
 import accel.comm.metrics as metrics
 from accel.comm.metrics import gather_for_metrics
-from accel.core.state import ProcessState, Scope, set_state
+from accel.core.scope import Scope
+from accel.core.state import ProcessState, set_state
 from accel.core.tree import zip_map_tensors
 from accel.data import prepare_data_loader
 

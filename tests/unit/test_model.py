@@ -13,7 +13,8 @@ import torch._dynamo  # imported here: it sets TORCHINDUCTOR_CACHE_DIR (conftest
 from torch import nn
 
 import accel
-from accel.core.state import ProcessState, Scope, set_state
+from accel.core.scope import Scope
+from accel.core.state import ProcessState, set_state
 from accel.errors import AccelError, ConfigError
 from accel.precision.casting import AutocastForward
 from accel.training.model import is_prepared

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import accel
-from accel.core.state import ProcessState, Scope, scope, set_state
+from accel.core.scope import Scope, scope
+from accel.core.state import ProcessState, set_state
 from accel.precision.scaling import load_scaler_state_dict, scaler_state_dict
 from accel.training.optim import PreparedOptimizer
 from accel.training.scheduling import PreparedScheduler

@@ -13,7 +13,8 @@ import torch
 import torch._dynamo  # imported here: it sets TORCHINDUCTOR_CACHE_DIR (conftest env guard)
 
 import accel
-from accel.core.state import ProcessState, Scope, set_state
+from accel.core.scope import Scope
+from accel.core.state import ProcessState, set_state
 from accel.errors import ConfigError
 from accel.precision.casting import AutocastForward, outputs_to_fp32
 from accel.precision.registry import precision_for

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 import accel
+from accel.core.scope import Scope, scope
 from accel.core.settings import FP8_NOTE, MIXED_PRECISION_MODES
-from accel.core.state import ProcessState, Scope, scope, set_state
+from accel.core.state import ProcessState, set_state
 from accel.errors import ConfigError
 from accel.precision import fp8, registry
 from accel.precision.base import Precision

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import accel
-from accel.core import state as _state
-from accel.core.state import Scope, ScopeSlot, scope
+from accel.core import scope as _scope
+from accel.core.scope import Scope, ScopeSlot, scope
 from accel.training.accumulation import accumulation_step, set_accumulation_step
 from tests.conftest import _CONTEXT_VARS
 
@@ -43,10 +43,10 @@ def test_every_accel_context_var_is_checked_by_the_leak_guard() -> None:
 
 def test_trigger_outside_a_block_leaves_no_scope_in_the_context() -> None:
     accel.set_trigger()
-    assert _state._SCOPE.get(None) is None
+    assert _scope._SCOPE.get(None) is None
     assert accel.check_trigger()  # the detached record kept it for this process
     assert not accel.check_trigger()  # check_trigger resets it
-    assert _state._SCOPE.get(None) is None
+    assert _scope._SCOPE.get(None) is None
 
 
 def test_block_scope_is_separate_from_the_detached_one() -> None:
@@ -106,7 +106,7 @@ def test_accumulation_step_accessors() -> None:
 
 
 def test_object_counts_keep_a_count_per_live_object() -> None:
-    from accel.core.state import ObjectCounts
+    from accel.core.scope import ObjectCounts
 
     class Thing:
         pass

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import accel
-from accel.core.state import ProcessState, Scope, set_state
+from accel.core.scope import Scope
+from accel.core.state import ProcessState, set_state
 from accel.errors import ConfigError
 
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 
 import accel
 from accel.errors import ConfigError
-from accel.parallel.tensor_parallel import check_plan
+from accel.parallel.tp_plan import check_plan
 from tests import mesh_models as mm
 
 _NO_HF = importlib.util.find_spec("transformers") is None
