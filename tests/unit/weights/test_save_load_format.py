@@ -23,8 +23,8 @@ from accel.core.env import read_launch_env
 from accel.errors import CheckpointArgumentError, CheckpointError, ConfigError
 from accel.testing import fake_state
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md"
-DOC_MARKER = "<!-- tested: the block below runs in tests/unit/test_save_load_format.py -->"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "checkpoints.md"
+DOC_MARKER = "<!-- tested: the block below runs in tests/unit/weights/test_save_load_format.py -->"
 
 
 def _model(seed: int = 0) -> nn.Module:

@@ -129,7 +129,7 @@ def test_strategy_errors() -> None:
         accel.prepare_model(Net(), find_unused_parameters=True)  # DDP option: ignored on 1
         with pytest.raises(accel.errors.ArgumentTypeError, match=r"torch\.nn\.Module"):
             accel.prepare_model("not a model")  # type: ignore[arg-type]
-    with fake(strategy="fsdp"):  # one process: not sharded (tests/unit/test_fsdp.py)
+    with fake(strategy="fsdp"):  # one process: not sharded (tests/unit/parallel/test_fsdp.py)
         net = Net()
         assert accel.prepare_model(net) is net
 

@@ -352,7 +352,7 @@ def test_regional_compile_with_inductor() -> None:
 
 @pytest.mark.slow
 def test_bench_smoke_run() -> None:
-    bench = Path(__file__).parents[2] / "bench" / "activation_checkpointing.py"
+    bench = Path(__file__).parents[3] / "bench" / "activation_checkpointing.py"
     # as `python bench/activation_checkpointing.py ...` (raises if it fails), forked from the
     # warm workers; its measuring children are fresh interpreters, as the bench starts them
     done = run_script(bench, "--depth", "2", "--width", "32", "--pairs", "1", "--windows", "2",
