@@ -3,3 +3,5 @@ accel): safetensors streaming with CRC32s, parallel writers, atomic replaces, wh
 argument checks, safe and bounded reads of untrusted input, torch zip/pickle screening, and
 the type checks of restored values.
 """
+
+__all__: list[str] = []  # the modules are imported on their own

@@ -5,3 +5,5 @@ through :mod:`accel.launch`, ``config`` (questionnaire, ``config import``), ``en
 
 Nothing here is imported by ``import accel``; each module loads on first use.
 """
+
+__all__: list[str] = []  # the modules are imported on their own

@@ -4,3 +4,5 @@ with the block's ``Scope``, and ``distributed()``.
 
 Every other package builds on these modules; they import nothing above them.
 """
+
+__all__: list[str] = []  # the modules are imported on their own

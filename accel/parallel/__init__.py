@@ -12,3 +12,5 @@ One module per engine, each imported on its own (this package defines no names):
 
 The mesh itself (its shape and the DeviceMesh) is :mod:`accel.core.mesh`.
 """
+
+__all__: list[str] = []  # the modules are imported on their own

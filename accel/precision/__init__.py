@@ -7,3 +7,5 @@ the interface and full precision, ``half``: bf16 and fp16, ``fp8``: runs as bf16
 ``casting`` holds ``accel.autocast()`` and the forward wrapper, ``scaling`` the GradScaler's
 mechanics. Adding a mode is one module here plus one registry entry.
 """
+
+__all__: list[str] = []  # the modules are imported on their own

@@ -92,3 +92,33 @@ def test_no_module_re_exports_an_error_class() -> None:
                 found += [f"accel/{relative}: imports {a.name} as itself"
                           for a in node.names if a.asname == a.name]
     assert sorted(set(found) - _PENDING) == []
+
+
+def _is_public(relative: Path) -> bool:
+    """Public-named: no ``_name`` part below accel (``__init__`` and ``__main__`` aside;
+    ``accel._files`` is private to accel as a whole but its modules are named for accel)."""
+    parts = [p for p in relative.with_suffix("").parts if p not in ("__init__", "__main__")]
+    return not any(p.startswith("_") and p != "_files" for p in parts)
+
+
+def test_every_public_module_says_what_it_exports() -> None:
+    """``__all__`` in every public-named module: what other packages (and users) may import."""
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if path.name == "__main__.py" or not _is_public(relative):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if not any(name == "__all__" for name in _assigned_names(tree)):
+            missing.append(str(relative))
+    assert missing == []
+
+
+def _assigned_names(tree: ast.Module) -> list[str]:
+    names = []
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        names += [t.id for t in targets if isinstance(t, ast.Name)]
+    return names
