@@ -12,6 +12,7 @@ import gc
 import importlib.util
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -79,6 +80,12 @@ def _no_leaks() -> Iterator[None]:
         "a test left a torch.distributed process group initialised"
     )
     assert _environ() == env_before, "a test changed os.environ without restoring it"
+    # a library may shut its pool down without waiting (transformers' loader does:
+    # shutdown(wait=False)); a thread that ends on its own within a moment is not a leak
+    deadline = time.monotonic() + 5.0
+    for t in threading.enumerate():
+        if t.ident not in threads_before and not t.daemon:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
     leaked = [
         t.name
         for t in threading.enumerate()
