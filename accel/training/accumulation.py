@@ -30,7 +30,7 @@ from accel.core.scope import scope
 from accel.core.state import state
 from accel.errors import ArgumentTypeError
 from accel.parallel.fsdp_params import set_gradient_sync
-from accel.precision.registry import precision_for
+from accel.precision.registry import PRECISIONS
 from accel.training.model import _compiled_inner
 
 __all__ = [
@@ -97,7 +97,9 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
     steps = st.gradient_accumulation_steps
     if steps > 1:
         loss = loss / steps
-    loss = precision_for(st.mixed_precision).scale_loss(loss)  # fp16: the GradScaler's scale
+    # fp16: the GradScaler's scale (the unit straight from the registry: the mode was checked
+    # when the state was made, and this runs every step)
+    loss = PRECISIONS[st.mixed_precision].scale_loss(loss)
     loss.backward(**kwargs)  # type: ignore[no-untyped-call]
 
 

@@ -74,8 +74,7 @@ class _Float16Unscaled(HalfPrecision):
 
 
 def test_a_new_mode_is_one_registry_entry(monkeypatch: pytest.MonkeyPatch) -> None:
-    added = {**PRECISIONS, "fp16-unscaled": _Float16Unscaled()}
-    monkeypatch.setattr(registry, "PRECISIONS", added)
+    monkeypatch.setitem(registry.PRECISIONS, "fp16-unscaled", _Float16Unscaled())  # type: ignore[index]
     with fake("fp16-unscaled"):
         with accel.autocast():
             assert (A @ A).dtype == torch.float16
