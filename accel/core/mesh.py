@@ -1,16 +1,19 @@
-"""N-D device meshes: how the processes split into data-parallel and tensor-parallel groups.
+"""N-D device meshes: how the processes split into pipeline, data-parallel and tensor-parallel
+groups.
 
-``accel.distributed(dp_replicate_size=, dp_shard_size=, tp_size=, cp_size=)`` (or the same
-``ACCEL_*`` variables, config keys and ``accel launch`` flags) lays the ``world_size`` processes
-out on a torch ``DeviceMesh`` with the named dimensions ``("dp_replicate", "dp_shard", "tp")``,
-made once per block with ``init_device_mesh``. The tensor-parallel dimension is the innermost
-(neighbouring ranks, the fastest links), ``dp_replicate`` the outermost. :func:`mesh_shape`
-decides the sizes; :func:`build_mesh` makes the mesh; :func:`dp_mesh` and :func:`tp_mesh` give
-the submeshes ``fully_shard`` and ``parallelize_module`` run on.
+``accel.distributed(pp_size=, dp_replicate_size=, dp_shard_size=, tp_size=, cp_size=)`` (or the
+same ``ACCEL_*`` variables, config keys and ``accel launch`` flags) lays the ``world_size``
+processes out on a torch ``DeviceMesh`` with the named dimensions
+``("pp", "dp_replicate", "dp_shard", "tp")``, made once per block with ``init_device_mesh``. The
+tensor-parallel dimension is the innermost (neighbouring ranks, the fastest links), the
+pipeline dimension ``pp`` the outermost (stages talk once per microbatch, point to point).
+:func:`mesh_shape` decides the sizes; :func:`build_mesh` makes the mesh; :func:`dp_mesh`,
+:func:`tp_mesh` and :func:`pp_mesh` give the submeshes ``fully_shard``, ``parallelize_module``
+and the pipeline stages run on.
 
 Example:
     >>> mesh_shape(4, "fsdp", {"tp_size": 2})
-    MeshShape(dp_replicate=1, dp_shard=2, tp=2)
+    MeshShape(dp_replicate=1, dp_shard=2, tp=2, pp=1)
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from accel.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["DIMS", "SIZE_KEYS", "MeshShape", "build_mesh", "dp_mesh", "mesh_shape", "tp_mesh"]
+__all__ = [
+    "DIMS", "SIZE_KEYS", "MeshShape", "build_mesh", "dp_mesh", "mesh_shape", "pp_mesh", "tp_mesh",
+]
 
-DIMS = ("dp_replicate", "dp_shard", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 """The mesh's dimension names, outermost first."""
-SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "pp_size")
 """The ``distributed()`` options (and config keys) that size the mesh."""
 
 
@@ -38,22 +43,23 @@ class MeshShape:
     """The size of each mesh dimension; their product is the world size.
 
     Example:
-        >>> MeshShape(2, 1, 2).dp_size
+        >>> MeshShape(2, 1, 2, pp=2).dp_size
         2
     """
 
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1
 
     @property
     def dp_size(self) -> int:
         """Processes that see different batches (``dp_replicate * dp_shard``)."""
         return self.dp_replicate * self.dp_shard
 
-    def sizes(self) -> tuple[int, int, int]:
-        """The sizes in :data:`DIMS` order."""
-        return (self.dp_replicate, self.dp_shard, self.tp)
+    def sizes(self) -> tuple[int, int, int, int]:
+        """The sizes in :data:`DIMS` order: ``(pp, dp_replicate, dp_shard, tp)``."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
 
 def _size(key: str, value: object) -> int | None:
@@ -78,7 +84,8 @@ def mesh_shape(
     """The mesh for ``sizes`` (the options of :data:`SIZE_KEYS`), or ``None`` when none is set.
 
     One size left unset takes what the others leave: ``dp_shard_size`` under
-    ``strategy="fsdp"``, else ``dp_replicate_size``; the others default to 1.
+    ``strategy="fsdp"``, else ``dp_replicate_size``; the others (``tp_size``, ``pp_size``)
+    default to 1.
 
     Raises:
         ConfigError: a size that is not an integer >= 1, sizes whose product is not the world
@@ -87,7 +94,7 @@ def mesh_shape(
 
     Example:
         >>> mesh_shape(4, None, {"dp_replicate_size": 2, "tp_size": 2})
-        MeshShape(dp_replicate=2, dp_shard=1, tp=2)
+        MeshShape(dp_replicate=2, dp_shard=1, tp=2, pp=1)
     """
     checked = {key: _size(key, sizes.get(key)) for key in SIZE_KEYS}
     unknown = sorted(set(sizes) - set(SIZE_KEYS))
@@ -103,6 +110,8 @@ def mesh_shape(
             "attention kernels and ring attention, which accel does not provide). Leave "
             "cp_size unset or 1, and use dp_shard_size / tp_size to split the work."
         )
+    pp = checked.pop("pp_size")
+    named = {**checked, "cp_size": cp, "pp_size": pp}
     replicate, shard, tp = (checked["dp_replicate_size"], checked["dp_shard_size"],
                             checked["tp_size"])
     if shard is not None and shard > 1 and strategy not in (None, "fsdp"):
@@ -110,34 +119,37 @@ def mesh_shape(
             f"dp_shard_size={shard} shards parameters with FSDP, but strategy={strategy!r}. "
             "Use `strategy='fsdp'` (or leave it unset), or set dp_replicate_size instead."
         )
-    known = [v for v in (replicate, shard, tp) if v is not None]
+    known = [v for v in (replicate, shard, tp, pp) if v is not None]
     product = 1
     for value in known:
         product *= value
     if world_size % product:
         divisor = max(d for d in range(1, (tp or 1) + 1) if world_size % d == 0)
         raise ConfigError(
-            f"The mesh sizes {_spelled({**checked, 'cp_size': cp}, world_size)} do not divide "
+            f"The mesh sizes {_spelled(named, world_size)} "
+            "do not divide "
             f"the {world_size} processes (their product is {product}). Choose sizes whose "
             f"product divides {world_size}, e.g. `accel.distributed(tp_size={divisor})` with "
             "the data-parallel size left unset to take what remains."
         )
     fsdp = strategy == "fsdp" or (shard is not None and shard > 1)
     tp = 1 if tp is None else tp
+    pp = 1 if pp is None else pp
+    inner = world_size // pp  # the processes of one pipeline stage
     if replicate is None and shard is None:
-        replicate, shard = (1, world_size // tp) if fsdp else (world_size // tp, 1)
+        replicate, shard = (1, inner // tp) if fsdp else (inner // tp, 1)
     elif shard is None:
         assert replicate is not None
-        shard = world_size // (replicate * tp) if fsdp else 1
+        shard = inner // (replicate * tp) if fsdp else 1
     elif replicate is None:
-        replicate = world_size // (shard * tp)
+        replicate = inner // (shard * tp)
     assert replicate is not None
     assert shard is not None
-    shape = MeshShape(replicate, shard, tp)
-    if shape.dp_size * tp != world_size:
+    shape = MeshShape(replicate, shard, tp, pp=pp)
+    if shape.dp_size * tp * pp != world_size:
         raise ConfigError(
-            f"The mesh sizes {_spelled({**checked, 'cp_size': cp}, world_size)} multiply to "
-            f"{shape.dp_size * tp}, not the world size {world_size}"
+            f"The mesh sizes {_spelled(named, world_size)} "
+            f"multiply to {shape.dp_size * tp * pp}, not the world size {world_size}"
             f"{'' if fsdp else ' (dp_shard_size is 1 unless strategy is fsdp)'}. Leave "
             "dp_replicate_size or dp_shard_size unset to take what remains, or make the "
             "product of the sizes the world size."
@@ -151,7 +163,7 @@ def build_mesh(device_type: str, shape: MeshShape) -> DeviceMesh:
     Example:
         >>> mesh = build_mesh("cpu", MeshShape(1, 2, 2))
         >>> mesh.mesh_dim_names
-        ('dp_replicate', 'dp_shard', 'tp')
+        ('pp', 'dp_replicate', 'dp_shard', 'tp')
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -181,3 +193,13 @@ def tp_mesh(mesh: Any) -> DeviceMesh:
         2
     """
     return mesh["tp"]  # type: ignore[no-any-return]
+
+
+def pp_mesh(mesh: Any) -> DeviceMesh:
+    """The pipeline submesh: this rank's stage neighbours (send/recv run on its group).
+
+    Example:
+        >>> pp_mesh(accel.state().mesh).size()
+        2
+    """
+    return mesh["pp"]  # type: ignore[no-any-return]

@@ -140,6 +140,7 @@ def distributed(
     dp_shard_size: int | None = None,
     tp_size: int | None = None,
     cp_size: int | None = None,
+    pp_size: int | None = None,
     **options: Any,
 ) -> Iterator[ProcessState]:
     """Set up distributed training for the block and yield the process state.
@@ -176,9 +177,11 @@ def distributed(
             ``strategy="fsdp"`` when > 1).
         tp_size: tensor-parallel degree (``prepare_model(tp_plan=...)`` splits layers over
             it). With any of the sizes set the block gets a DeviceMesh (``state().mesh``,
-            dims ``dp_replicate``, ``dp_shard``, ``tp``); one size left unset takes what
-            remains (see ``docs/parallelism.md``).
+            dims ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``); one size left unset takes
+            what remains (see ``docs/parallelism.md``).
         cp_size: context-parallel degree; > 1 is a ``ConfigError`` (not available).
+        pp_size: pipeline stages (the mesh's outermost dim): ``prepare_model(pp_plan=...)``
+            splits the model over them and ``accel.pipeline_step`` trains it.
         **options: DDP and FSDP options, and ``activation_checkpointing`` (also
             ``ACCEL_ACTIVATION_CHECKPOINTING`` and the config key), the default of every
             ``prepare_model`` in the block; readable as ``accel.state().options``.
@@ -203,7 +206,7 @@ def distributed(
         "timeout": timeout_s,
     }
     sizes = {"dp_replicate_size": dp_replicate_size, "dp_shard_size": dp_shard_size,
-             "tp_size": tp_size, "cp_size": cp_size}
+             "tp_size": tp_size, "cp_size": cp_size, "pp_size": pp_size}
     if has_active_state():
         yield from _nested_block(
             sizes, changes, options, backend=backend, cpu=cpu, seed=seed,
@@ -318,21 +321,24 @@ def _run_block(current: ProcessState, created: bool, seed: int | None) -> Iterat
 _NAMED = (
     "backend", "mixed_precision", "gradient_accumulation_steps", "strategy", "cpu", "timeout",
     "debug", "seed", "on_each_node", "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size",
+    "pp_size",
 )
 
 
 def _same_mesh(outer: ProcessState, sizes: Mapping[str, int | None]) -> None:
     """Refuse mesh sizes in a nested block that differ from the outer block's mesh."""
     shape = outer.mesh_shape
-    have = dict.fromkeys(SIZE_KEYS) if shape is None else dict(
-        zip(SIZE_KEYS, (*shape, 1), strict=True)  # cp_size: always 1 in a mesh
-    )
+    have: dict[str, int | None] = dict.fromkeys(SIZE_KEYS)
+    if shape is not None:  # cp_size: always 1 in a mesh
+        pp, replicate, shard, tp = shape
+        have.update(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp, cp_size=1,
+                    pp_size=pp)
     for key, value in sizes.items():
         if value is not None and value != have[key]:
             raise ConfigError(
                 f"accel.distributed({key}={value}) inside a block whose mesh is "
-                f"{outer.mesh_shape or 'not set'} (dp_replicate, dp_shard, tp): the mesh is made "
-                "once, by the outermost block. Pass the sizes there."
+                f"{outer.mesh_shape or 'not set'} (pp, dp_replicate, dp_shard, tp): the mesh is "
+                "made once, by the outermost block. Pass the sizes there."
             )
 
 

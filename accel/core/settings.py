@@ -280,6 +280,7 @@ SETTINGS: Mapping[str, Spec] = {
         "int", "mesh: context-parallel degree (not available on CPU)", minimum=1,
         layer="policy",
     ),
+    "pp_size": Spec("int", "mesh: pipeline-parallel stages", minimum=1, layer="policy"),
     # DDP options (read by accel.prepare_model where it wraps a model in DDP)
     "find_unused_parameters": Spec(
         "bool", "DDP: allow parameters with no gradient", False, layer="ddp"

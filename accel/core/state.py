@@ -80,10 +80,11 @@ class ProcessState:
     options: Mapping[str, Any] = attrs.field(
         factory=dict, converter=_frozen_mapping, eq=False, repr=False
     )
-    mesh_shape: tuple[int, int, int] | None = None
-    """``(dp_replicate, dp_shard, tp)`` sizes when the block has a device mesh."""
+    mesh_shape: tuple[int, int, int, int] | None = None
+    """``(pp, dp_replicate, dp_shard, tp)`` sizes when the block has a device mesh."""
     mesh: Any = attrs.field(default=None, eq=False, repr=False)
-    """The block's torch ``DeviceMesh`` (dims ``dp_replicate``, ``dp_shard``, ``tp``), or None."""
+    """The block's torch ``DeviceMesh`` (dims ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``),
+    or None."""
 
     @property
     def is_main_process(self) -> bool:
@@ -108,7 +109,7 @@ class ProcessState:
     @property
     def tp_world_size(self) -> int:
         """Processes in this rank's tensor-parallel group (1 without a ``tp`` mesh dim)."""
-        return 1 if self.mesh_shape is None else self.mesh_shape[2]
+        return 1 if self.mesh_shape is None else self.mesh_shape[3]
 
     @property
     def tp_rank(self) -> int:
@@ -116,14 +117,25 @@ class ProcessState:
         return self.rank % self.tp_world_size
 
     @property
+    def pp_world_size(self) -> int:
+        """Pipeline stages (ranks) a model is split over (1 without a ``pp`` mesh dim)."""
+        return 1 if self.mesh_shape is None else self.mesh_shape[0]
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage group (the mesh's outermost dim)."""
+        return self.rank // (self.world_size // self.pp_world_size)
+
+    @property
     def dp_world_size(self) -> int:
-        """Processes that see different batches: ``world_size / tp_world_size``."""
-        return self.world_size // self.tp_world_size
+        """Processes that see different batches: ``world_size / (tp * pp)``."""
+        return self.world_size // (self.tp_world_size * self.pp_world_size)
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel index: which share of the batches it sees."""
-        return self.rank // self.tp_world_size
+        """This rank's data-parallel index: which share of the batches it sees (every
+        pipeline stage and tensor-parallel rank of a replica sees the same)."""
+        return (self.rank // self.tp_world_size) % self.dp_world_size
 
 
 # What to write instead of assigning to a state attribute.
@@ -131,13 +143,14 @@ _NESTED = ("mixed_precision", "gradient_accumulation_steps", "strategy", "debug"
            "on_each_node")
 _LAUNCH_FACTS = ("rank", "local_rank", "world_size", "local_world_size", "node_rank",
                  "num_nodes", "is_main_process", "is_local_main_process", "is_last_process",
-                 "use_distributed", "tp_world_size", "tp_rank", "dp_world_size", "dp_rank")
+                 "use_distributed", "tp_world_size", "tp_rank", "dp_world_size", "dp_rank",
+                 "pp_world_size", "pp_rank")
 _OUTERMOST = {
     "backend": "`accel.distributed(backend=...)`",
     "device": "`accel.distributed(cpu=True)` (or the launcher's device choice)",
     "seed": "`accel.distributed(seed=...)`",
-    "mesh": "`accel.distributed(dp_shard_size=..., tp_size=...)`",
-    "mesh_shape": "`accel.distributed(dp_shard_size=..., tp_size=...)`",
+    "mesh": "`accel.distributed(dp_shard_size=..., tp_size=..., pp_size=...)`",
+    "mesh_shape": "`accel.distributed(dp_shard_size=..., tp_size=..., pp_size=...)`",
 }
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 import accel
 from accel.core.mesh import MeshShape, mesh_shape
+from accel.core.state import ProcessState
 from accel.errors import ConfigError
 from accel.launch.run import add_launch_options, command_line_settings
 from accel.parallel.tp_plan import matching_modules, model_plan, to_style
@@ -36,7 +37,7 @@ def test_one_unset_size_takes_what_remains(
     world: int, strategy: str | None, sizes: dict[str, int], shape: tuple[int, int, int]
 ) -> None:
     got = mesh_shape(world, strategy, sizes)
-    assert got is not None and got.sizes() == shape
+    assert got is not None and got.sizes() == (1, *shape)
 
 
 def test_no_sizes_no_mesh() -> None:
@@ -56,7 +57,7 @@ def test_the_product_is_always_the_world_size(r: int, s: int, t: int, fsdp: bool
         shape = mesh_shape(world, "fsdp" if fsdp else None, sizes)
         assert shape is not None
         assert shape.dp_replicate * shape.dp_shard * shape.tp == world
-        assert all(shape.sizes()[i] == v for i, k in enumerate(
+        assert all(shape.sizes()[i + 1] == v for i, k in enumerate(
             ("dp_replicate_size", "dp_shard_size", "tp_size")) if (v := sizes.get(k)))
 
 
@@ -88,13 +89,13 @@ def test_one_process_block_has_no_mesh_and_ranks_follow_the_sizes() -> None:
         assert (state.dp_rank, state.dp_world_size, state.tp_rank, state.tp_world_size) == (
             0, 1, 0, 1)
     with accel.distributed(tp_size=1, dp_shard_size=1) as state:
-        assert state.mesh_shape == (1, 1, 1) and state.mesh is None
+        assert state.mesh_shape == (1, 1, 1, 1) and state.mesh is None
         with pytest.raises(ConfigError, match="the mesh is made once"), accel.distributed(
             tp_size=2
         ):
             pass
         with accel.distributed(tp_size=1) as inner:  # the same size: accepted
-            assert inner.mesh_shape == (1, 1, 1)
+            assert inner.mesh_shape == (1, 1, 1, 1)
 
 
 def test_sizes_come_from_the_environment_and_the_launcher(
@@ -174,4 +175,49 @@ def test_auto_takes_a_transformers_models_own_plan() -> None:
 
 def test_mesh_shape_properties() -> None:
     shape = MeshShape(2, 2, 2)
-    assert shape.dp_size == 4 and shape.sizes() == (2, 2, 2)
+    assert shape.dp_size == 4 and shape.sizes() == (1, 2, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("world", "strategy", "sizes", "shape"),
+    [
+        (2, None, {"pp_size": 2}, (2, 1, 1, 1)),
+        (4, None, {"pp_size": 2}, (2, 2, 1, 1)),  # the rest replicates without fsdp
+        (4, "fsdp", {"pp_size": 2}, (2, 1, 2, 1)),  # ... and shards under fsdp
+        (4, None, {"pp_size": 2, "dp_shard_size": 2}, (2, 1, 2, 1)),
+        (8, None, {"pp_size": 2, "tp_size": 2, "dp_shard_size": 2}, (2, 1, 2, 2)),
+    ],
+)
+def test_pp_is_the_outermost_dim(
+    world: int, strategy: str | None, sizes: dict[str, int], shape: tuple[int, ...]
+) -> None:
+    got = mesh_shape(world, strategy, sizes)
+    assert got is not None and got.sizes() == shape and got.pp == shape[0]
+
+
+def test_bad_pp_sizes_are_refused_and_ranks_follow_the_mesh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(ConfigError, match=r"pp_size=3 \(world_size=4\) do not divide"):
+        mesh_shape(4, None, {"pp_size": 3})
+    with pytest.raises(ConfigError, match="pp_size=0 must be an integer >= 1"):
+        mesh_shape(4, None, {"pp_size": 0})
+    with pytest.raises(ConfigError, match=r"pp_size=2 .world_size=8. multiply to 4, not the"):
+        mesh_shape(8, None, {"pp_size": 2, "dp_replicate_size": 2})
+    with pytest.raises(ConfigError, match="pp_size"), accel.distributed(pp_sizes=2):
+        pass
+    monkeypatch.setenv("ACCEL_PP_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"pp_size=2 \(world_size=1\)"), accel.distributed():
+        pass
+    monkeypatch.delenv("ACCEL_PP_SIZE")
+    with accel.distributed(pp_size=1) as state:
+        assert state.mesh_shape == (1, 1, 1, 1)
+        assert (state.pp_rank, state.pp_world_size) == (0, 1)
+    four = ProcessState(rank=3, world_size=4, mesh_shape=(2, 2, 1, 1))
+    assert (four.pp_rank, four.pp_world_size, four.dp_rank, four.dp_world_size) == (1, 2, 1, 2)
+    eight = ProcessState(rank=5, world_size=8, mesh_shape=(2, 1, 2, 2))
+    assert (eight.pp_rank, eight.dp_rank, eight.dp_world_size, eight.tp_rank) == (1, 0, 2, 1)
+    parser = argparse.ArgumentParser()
+    add_launch_options(parser)
+    for flags in (["--pp-size", "2"], ["--pp_size", "2"]):
+        assert command_line_settings(parser.parse_args(flags)) == {"pp_size": 2}
