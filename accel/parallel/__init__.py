@@ -8,7 +8,9 @@ One module per engine, each imported on its own (this package defines no names):
   parameters FSDP replaced (optimizer check, remap, clipping);
 - :mod:`accel.parallel.tensor_parallel`: ``tp_plan`` applied with ``parallelize_module``;
 - :mod:`accel.parallel.blockwise`: activation checkpointing and regional compilation per
-  block; ``blocks``: the blocks a transformers model declares.
+  block; ``blocks``: the blocks a transformers model declares;
+- :mod:`accel.parallel.pipeline`: pipeline parallelism (its own package: the split, torch's
+  schedules, the stages, ``pipeline_step``).
 
 The mesh itself (its shape and the DeviceMesh) is :mod:`accel.core.mesh`.
 """

@@ -132,6 +132,48 @@ def _split_tensor_parallel(model: nn.Module, tp_plan: object, device_placement: 
     return split
 
 
+def _split_pipeline(
+    model: nn.Module, chosen: str, checkpointing: BlockChoice, plan: object,
+    evaluation_mode: bool, device_placement: bool, tp_plan: object,
+    strategy_options: dict[str, Any], pipeline: dict[str, Any],
+) -> bool:
+    """Split ``model`` into this rank's pipeline stages (FSDP2 inside each over the
+    data-parallel dims); whether it was split (not without a ``pp`` dim)."""
+    from accel.parallel.pipeline.stages import pipeline_model
+
+    st = state()
+    if st.pp_world_size > 1:
+        if st.tp_world_size > 1 or tp_plan is not None:
+            raise ConfigError(
+                f"Pipeline parallelism (pp_size={st.pp_world_size}) with tensor parallelism "
+                f"(tp_size={st.tp_world_size}, tp_plan={tp_plan!r}) is not available yet. "
+                "Use pp_size with data parallelism (dp_shard_size / dp_replicate_size)."
+            )
+        if plan is not None:
+            raise ConfigError(
+                "prepare_model(compile=...) with pipeline parallelism is not available yet: "
+                "leave compile off under pp_size > 1."
+            )
+        if chosen == "ddp" and st.dp_world_size > 1 and strategy_options:
+            note_ignored(ddp_options(st.options, strategy_options), "pipeline parallelism")
+    shard = None
+    if st.dp_world_size > 1 and not evaluation_mode and st.pp_world_size > 1:
+        from accel.parallel import fsdp
+
+        sharding = fsdp.fsdp_options(st.options, strategy_options if chosen == "fsdp" else {})
+
+        def shard(module: nn.Module) -> nn.Module:
+            return fsdp.shard_model(module, sharding, device_placement=device_placement)
+
+    def checkpoint(view: nn.Module) -> None:
+        checkpoint_blocks(view, checkpointing)
+
+    return pipeline_model(
+        model, **pipeline, device_placement=device_placement, shard=shard,
+        checkpoint=None if checkpointing is False else checkpoint, checkpointing=checkpointing,
+    )
+
+
 def prepare_model(
     model: nn.Module,
     *,
@@ -141,6 +183,10 @@ def prepare_model(
     evaluation_mode: bool = False,
     activation_checkpointing: bool | BlockSpec | Iterable[BlockSpec] | None = None,
     tp_plan: str | Mapping[str, Any] | None = None,
+    pp_plan: list[str] | int | Literal["auto"] | None = None,
+    pp_schedule: str | None = None,
+    microbatches: int | None = None,
+    stages_per_rank: int | None = None,
     **strategy_options: Any,
 ) -> nn.Module:
     """Make ``model`` ready for the run: device, mixed precision forward, DDP or FSDP2, compile.
@@ -189,6 +235,18 @@ def prepare_model(
             first; then FSDP over the data-parallel dims (``dp_shard``, HSDP with
             ``dp_replicate``), or replicas kept in sync over ``dp_replicate`` (FSDP2 with a
             shard size of 1).
+        pp_plan: pipeline parallelism over the mesh's ``pp`` dim (``accel.distributed(
+            pp_size=...)``): the module names that start a stage (``["layers.4"]``), a number
+            of stages, or ``"auto"`` (the model's blocks split evenly, embeddings with the
+            first stage, norm and head with the last; the default under a ``pp`` dim). The
+            model is split in place into this rank's stages; train it with
+            ``accel.pipeline_step``. See ``docs/parallelism.md``.
+        pp_schedule: one of torch's schedules: ``"GPipe"``, ``"1F1B"`` (default),
+            ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``,
+            ``"ZBVZeroBubble"``, ``"DualPipeV"``.
+        microbatches: microbatches per ``pipeline_step`` (default: the number of stages).
+        stages_per_rank: stages each rank runs (default 1; 2 for the interleaved and V
+            schedules).
         **strategy_options: with ``strategy="fsdp"``: ``shard_modules`` (a module class, a
             class name, or an iterable of them), ``reshard_after_forward`` (default ``True``)
             and ``cpu_offload`` (default ``False``), overriding those of
@@ -230,6 +288,16 @@ def prepare_model(
     chosen = _resolve_strategy(strategy)
     st = state()
     checkpointing = _checkpointing_choice(activation_checkpointing, st.options)
+    if pp_plan is not None or st.pp_world_size > 1:
+        pipelined = _split_pipeline(
+            model, chosen, checkpointing, plan, evaluation_mode, device_placement, tp_plan,
+            strategy_options,
+            {"plan": pp_plan, "schedule": pp_schedule, "microbatches": microbatches,
+             "stages_per_rank": stages_per_rank},
+        )
+        if pipelined:
+            _mark(model, model)
+            return model
     shard_modules = None
     split = _split_tensor_parallel(model, tp_plan, device_placement)
     if split and chosen != "fsdp":

@@ -1,0 +1,17 @@
+"""Pipeline parallelism over the mesh's ``pp`` dim, on torch's engine
+(``torch.distributed.pipelining``: ``PipelineStage`` and its schedules).
+
+One module per concept, each imported on its own (this package defines no names):
+
+- :mod:`accel.parallel.pipeline.split`: the plan (split points, an even split, ``"auto"``) and
+  each stage built from the model by putting pass-throughs where other stages' modules were;
+- :mod:`accel.parallel.pipeline.schedules`: torch's schedule names, which stages each rank
+  holds, and the checks a schedule needs (microbatches, stages per rank, wrappings);
+- :mod:`accel.parallel.pipeline.stages`: ``prepare_model``'s pipeline path: the stages of this
+  rank, FSDP inside each, the ``PipelineStage`` objects and the schedule;
+- :mod:`accel.parallel.pipeline.step`: ``accel.pipeline_step``, one training step for every
+  rank;
+- :mod:`accel.parallel.pipeline.grads`: the gradient norm summed over the stages.
+"""
+
+__all__: list[str] = []  # the modules are imported on their own

@@ -1,0 +1,261 @@
+"""``prepare_model``'s pipeline path: this rank's stages, FSDP inside each, torch's
+``PipelineStage`` objects and the schedule.
+
+The user's model is changed in place: the units no local stage holds become pass-throughs
+(their weights are freed), so ``model.parameters()`` are this rank's and ``model.state_dict()``
+keeps the global (unsplit) names. Each local stage runs through a :class:`StageModule` around
+its view of the model (:func:`accel.parallel.pipeline.split.stage_view`); with a data-parallel
+dim, FSDP2 shards the stage's blocks and then the stage module, which torch's stage drives (it
+syncs the gradients once, after the last microbatch). The schedule and the stages live in a
+:class:`Pipeline` record kept with the model.
+
+Example:
+    >>> pipe = pipeline_model(net, plan="auto", schedule="1F1B", microbatches=4)
+    >>> pipeline_of(net).stage_indices
+    (0,)
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from accel.core.options import BlockChoice
+from accel.core.state import state
+from accel.errors import ConfigError
+from accel.parallel.pipeline.schedules import (
+    ScheduleSpec,
+    build_schedule,
+    check_schedule,
+    schedule_spec,
+)
+from accel.parallel.pipeline.split import (
+    keep_stages,
+    split_points,
+    stage_plan,
+    stage_view,
+)
+
+__all__ = ["LossSlot", "Pipeline", "StageModule", "pipeline_model", "pipeline_of"]
+
+_PIPELINE = "_accel_pipeline"  # in the prepared model's __dict__: its Pipeline record
+
+
+def _tensor_output(out: Any) -> Any:
+    """A stage's output as torch's stage sends it: a tensor (or a tuple of them)."""
+    if isinstance(out, torch.Tensor | tuple):
+        return out
+    if isinstance(out, Mapping):  # a transformers ModelOutput: the logits, else the first
+        if "logits" in out:
+            return out["logits"]
+        return next(iter(out.values()))
+    raise ConfigError(
+        f"A pipeline stage returned {type(out).__name__}; torch's stages pass tensors. Make "
+        "the model's forward return a tensor (or a transformers output with logits)."
+    )
+
+
+class StageModule(nn.Module):
+    """Runs one stage: the view's forward on what the previous stage sent, as a tensor.
+
+    Example:
+        >>> StageModule(view)(hidden).shape
+        torch.Size([8, 16])
+    """
+
+    def __init__(self, view: nn.Module) -> None:
+        super().__init__()
+        self.inner = view
+        try:
+            names = inspect.signature(view.forward).parameters
+        except (TypeError, ValueError):
+            names = {}  # type: ignore[assignment]
+        self._kwargs = {"use_cache": False} if "use_cache" in names else {}
+
+    def forward(self, *args: Any) -> Any:
+        """The view's output (a transformers output gives its logits)."""
+        return _tensor_output(self.inner(*args, **self._kwargs))
+
+
+@attrs.define
+class LossSlot:
+    """The loss function the schedule calls per microbatch, set by each ``pipeline_step``.
+
+    It records each microbatch's loss as the user's function returned it and hands the
+    schedule that loss divided by the microbatches (and the accumulation steps), scaled as
+    ``accel.backward`` scales it.
+
+    Example:
+        >>> slot = LossSlot(); slot.fn = nn.functional.mse_loss
+    """
+
+    fn: Callable[..., torch.Tensor] | None = None
+    scale: Callable[[torch.Tensor], torch.Tensor] = attrs.field(default=lambda loss: loss)
+    losses: list[torch.Tensor] = attrs.field(factory=list)
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        """The scaled loss of one microbatch (the unscaled one recorded)."""
+        assert self.fn is not None, "set by pipeline_step before the schedule runs"
+        loss = self.fn(output, target)
+        self.losses.append(loss.detach())
+        return self.scale(loss)
+
+
+@attrs.frozen(eq=False)
+class Pipeline:
+    """What ``pipeline_step`` needs of a pipelined model: its schedule and this rank's stages.
+
+    Example:
+        >>> pipeline_of(model).microbatches
+        4
+    """
+
+    spec: ScheduleSpec
+    schedule: Any
+    stages: tuple[Any, ...]
+    modules: tuple[StageModule, ...]
+    stage_indices: tuple[int, ...]
+    num_stages: int
+    microbatches: int
+    slot: LossSlot
+    group: Any
+    last_rank: int
+    """The pipeline rank holding the last stage (the loss is broadcast from it)."""
+
+    @property
+    def has_first(self) -> bool:
+        """Whether this rank runs stage 0 (it reads the inputs)."""
+        return 0 in self.stage_indices
+
+    @property
+    def has_last(self) -> bool:
+        """Whether this rank runs the last stage (it computes the loss)."""
+        return self.num_stages - 1 in self.stage_indices
+
+
+def pipeline_of(model: nn.Module) -> Pipeline | None:
+    """The pipeline record of a model ``prepare_model`` split, else ``None``.
+
+    Example:
+        >>> pipeline_of(nn.Linear(2, 2)) is None
+        True
+    """
+    record = model.__dict__.get(_PIPELINE)
+    return record if isinstance(record, Pipeline) else None
+
+
+def _check_names(model: nn.Module, plan: object) -> None:
+    """Without a ``pp`` dim: the split points named must exist (the model stays whole)."""
+    if isinstance(plan, list | tuple):
+        from accel.parallel.pipeline.split import _crossed
+
+        _crossed(model, [str(p) for p in plan])
+    elif isinstance(plan, bool) or not (isinstance(plan, int) or plan == "auto"):
+        split_points(model, plan, 1)  # raises the plan's kind error
+
+
+def _check_wrappings(spec: ScheduleSpec, dp: int, checkpointing: BlockChoice) -> None:
+    if spec.zero_bubble and dp > 1:
+        raise ConfigError(
+            f"pp_schedule={spec.name!r} splits each backward into input and weight gradients, "
+            "which FSDP (data parallel inside each stage, dp_world_size="
+            f"{dp}) does not support yet. Use 'GPipe', '1F1B', 'Interleaved1F1B' or "
+            "'LoopedBFS' with data parallelism, or no data-parallel dim."
+        )
+    if spec.zero_bubble and checkpointing is not False:
+        raise ConfigError(
+            f"pp_schedule={spec.name!r} splits the backward in two, which activation "
+            "checkpointing (activation_checkpointing=...) cannot recompute correctly. Use "
+            "'1F1B' or 'Interleaved1F1B', or turn activation checkpointing off."
+        )
+
+
+def pipeline_model(
+    model: nn.Module,
+    *,
+    plan: object,
+    schedule: object,
+    microbatches: object,
+    stages_per_rank: object,
+    device_placement: bool,
+    shard: Callable[[nn.Module], nn.Module] | None,
+    checkpoint: Callable[[nn.Module], None] | None,
+    checkpointing: BlockChoice = False,
+) -> bool:
+    """Split ``model`` in place into this rank's pipeline stages; whether it was split.
+
+    Without a ``pp`` dim (``pp_size`` 1) the plan is checked and the model left whole
+    (``pipeline_step`` then runs it as one stage), so one script runs on any mesh.
+
+    Args:
+        model: the user's module.
+        plan: ``pp_plan`` (split points, a number of stages, or ``"auto"``).
+        schedule: ``pp_schedule``, one of torch's schedule names (default ``"1F1B"``).
+        microbatches: microbatches per step (default: the number of stages).
+        stages_per_rank: stages each rank runs (interleaved and V schedules).
+        device_placement: move the stages to the state's device.
+        shard: FSDP2 for one stage module (``None`` without a data-parallel dim).
+        checkpoint: activation checkpointing of one stage view's blocks, or ``None``.
+        checkpointing: the activation checkpointing choice (to refuse what does not mix).
+
+    Raises:
+        ConfigError: any plan, schedule or wrapping problem, before anything is changed.
+
+    Example:
+        >>> pipeline_model(net, plan="auto", schedule="GPipe", microbatches=2,
+        ...                stages_per_rank=None, device_placement=True, shard=None,
+        ...                checkpoint=None)
+        True
+    """
+    spec = schedule_spec("1F1B" if schedule is None else schedule)
+    st = state()
+    pp = st.pp_world_size
+    per_rank, count = check_schedule(
+        spec, pp_size=pp, stages_per_rank=stages_per_rank,  # type: ignore[arg-type]
+        microbatches=pp * (spec.default_stages_per_rank if stages_per_rank is None
+                           else stages_per_rank)  # type: ignore[operator]
+        if microbatches is None else microbatches,
+    )
+    if pp == 1:
+        _check_names(model, plan)
+        return False
+    _check_wrappings(spec, st.dp_world_size, checkpointing)
+    num_stages = pp * per_rank
+    plan_of = stage_plan(model, split_points(model, "auto" if plan is None else plan,
+                                             num_stages))
+    local = spec.stages_of(st.pp_rank, pp, per_rank)
+    keep_stages(model, plan_of, local)
+    if device_placement:
+        model.to(st.device)
+    from torch.distributed.pipelining import PipelineStage
+
+    from accel.core.mesh import pp_mesh
+    from accel.precision.casting import prepare_forward
+
+    group = pp_mesh(st.mesh).get_group()
+    modules, stages = [], []
+    for index in local:
+        view = stage_view(model, plan_of, index)
+        if checkpoint is not None:
+            checkpoint(view)
+        module: nn.Module = StageModule(view)
+        if shard is not None:
+            module = shard(module)
+        prepare_forward(module)  # the mode's autocast, floating outputs back in fp32
+        modules.append(module)
+        stages.append(PipelineStage(module, index, num_stages, st.device, group=group))
+    slot = LossSlot()
+    record = Pipeline(
+        spec=spec, schedule=build_schedule(spec, stages, count, slot), stages=tuple(stages),
+        modules=tuple(modules),  # type: ignore[arg-type]
+        stage_indices=local, num_stages=num_stages, microbatches=count, slot=slot,
+        group=group, last_rank=0 if spec.layout == "v" else pp - 1,
+    )
+    model.__dict__[_PIPELINE] = record
+    return True
+

@@ -1,0 +1,136 @@
+"""``accel.pipeline_step``: one training step of a pipelined model, the same call on every rank.
+
+The first stage reads the inputs, the last computes ``loss_fn(outputs, labels)`` per
+microbatch, torch's schedule runs the forwards and backwards, and every rank gets the mean
+loss (broadcast over the pipeline group from the rank holding the last stage). Gradients are
+left in the parameters as ``accel.backward`` leaves them: each microbatch's loss is divided by
+the microbatches and the accumulation steps and scaled for fp16, so they equal the gradient of
+one process's mean loss over the batch.
+
+Example:
+    >>> loss = accel.pipeline_step(model, x, y, loss_fn=nn.functional.cross_entropy)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from accel.core.state import state
+from accel.errors import ArgumentTypeError, ConfigError
+from accel.parallel.pipeline.stages import Pipeline, pipeline_of
+from accel.precision.registry import PRECISIONS
+
+__all__ = ["pipeline_step"]
+
+
+def _as_args(inputs: Any) -> tuple[Any, ...]:
+    return tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
+
+
+def _batch_size(value: Any) -> int | None:
+    for item in _as_args(value):
+        if isinstance(item, torch.Tensor) and item.dim() > 0:
+            return int(item.shape[0])
+    return None
+
+
+def _scaler(divide: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    unit = PRECISIONS[state().mixed_precision]
+
+    def scale(loss: torch.Tensor) -> torch.Tensor:
+        return unit.scale_loss(loss / divide if divide > 1 else loss)
+
+    return scale
+
+
+def _whole(model: nn.Module, inputs: Any, labels: Any, loss_fn: Callable[..., Any]
+           ) -> torch.Tensor:
+    """A model that is not split (no ``pp`` dim): forward, loss, ``accel.backward``'s backward."""
+    loss = loss_fn(model(*_as_args(inputs)), labels)
+    scaled = _scaler(state().gradient_accumulation_steps)(loss)
+    if scaled.requires_grad:
+        scaled.backward()  # type: ignore[no-untyped-call]
+    return loss.detach()  # type: ignore[no-any-return]
+
+
+def _run(pipe: Pipeline, inputs: Any, labels: Any, loss_fn: Callable[..., Any]) -> torch.Tensor:
+    size = _batch_size(inputs if pipe.has_first else labels)
+    if size is not None and size % pipe.microbatches:
+        raise ConfigError(
+            f"The batch of {size} samples does not split into microbatches="
+            f"{pipe.microbatches} equal parts (torch would make uneven microbatches, whose "
+            "mean is not the batch's). Use a batch size divisible by the microbatches, or "
+            "`accel.prepare_model(..., microbatches=...)` that divides it."
+        )
+    slot = pipe.slot
+    slot.fn, slot.losses = loss_fn, []
+    slot.scale = _scaler(pipe.microbatches * state().gradient_accumulation_steps)
+    args = _as_args(inputs) if pipe.has_first else ()
+    target = labels if pipe.has_last else None
+    grad = torch.is_grad_enabled()
+    try:
+        if grad:
+            pipe.schedule.step(*args, target=target, return_outputs=False)
+        else:
+            pipe.schedule.eval(*args, target=target)
+    finally:
+        slot.fn = None
+    device = state().device
+    # the last M: torch's first step also calls the loss once on its shape-inference output
+    mean = (torch.stack(slot.losses[-pipe.microbatches:]).float().mean().to(device) if pipe.has_last
+            else torch.zeros((), dtype=torch.float32, device=device))
+    slot.losses = []
+    import torch.distributed as dist
+
+    dist.broadcast(mean, group=pipe.group, group_src=pipe.last_rank)
+    return mean
+
+
+def pipeline_step(
+    model: nn.Module, inputs: Any, labels: Any, *, loss_fn: Callable[..., torch.Tensor]
+) -> torch.Tensor:
+    """Run one training step of ``model`` through its pipeline; every rank gets the mean loss.
+
+    Call it on every rank with the same batch (a prepared loader gives every stage of a
+    data-parallel replica the same batches): the first stage reads ``inputs`` (a tensor or a
+    tuple of the forward's positional arguments), the last stage computes ``loss_fn(outputs,
+    labels)`` for each microbatch (``prepare_model(..., microbatches=M)`` splits the batch
+    into ``M``), and the gradients are left in the parameters as after ``accel.backward``
+    (then step the prepared optimizer as usual, inside ``accel.accumulate`` too). Under
+    ``torch.no_grad()`` it runs the forwards only and returns the loss. A model that is not
+    split (``pp_size`` 1) runs forward, loss and backward as one stage.
+
+    Args:
+        model: what ``accel.prepare_model(model, pp_plan=...)`` returned.
+        inputs: the batch's inputs (read by the first stage).
+        labels: the batch's labels (read by the last stage).
+        loss_fn: ``loss_fn(outputs, labels) -> loss``, a mean over the microbatch's samples.
+
+    Returns:
+        The mean of the microbatches' losses, a 0-d tensor, the same on every rank of the
+        pipeline (detached: the backward already ran).
+
+    Raises:
+        ConfigError: a batch the microbatches do not divide.
+        ArgumentTypeError: ``model`` is not a module or ``loss_fn`` not callable.
+
+    Example:
+        >>> with accel.accumulate(model):
+        ...     loss = accel.pipeline_step(model, x, y, loss_fn=nn.functional.mse_loss)
+        ...     optimizer.step()
+        ...     optimizer.zero_grad()
+    """
+    if not isinstance(model, nn.Module) or not callable(loss_fn):
+        raise ArgumentTypeError(
+            f"pipeline_step takes the prepared model and a loss function, got "
+            f"{type(model).__name__} and {type(loss_fn).__name__}. Call it as "
+            "`accel.pipeline_step(model, inputs, labels, loss_fn=fn)`."
+        )
+    pipe = pipeline_of(model)
+    if pipe is None:
+        return _whole(model, inputs, labels, loss_fn)
+    return _run(pipe, inputs, labels, loss_fn)

@@ -1,0 +1,123 @@
+"""Models and a training run shared by the pipeline-parallel tests.
+
+``train`` runs inside ``accel.distributed(...)`` with or without a ``pp`` dim and returns what
+the tests compare with one process: each step's loss and gradient norm, and the weights this
+rank holds after the steps (by their global names; the test merges the stages).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import accel
+
+BATCH = 8
+SAMPLES = 32
+
+
+class Block(nn.Module):
+    """A residual MLP block."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+class Stack(nn.Module):
+    """Input layer, ``depth`` blocks, head: the chain a pipeline splits."""
+
+    def __init__(self, width: int = 8, depth: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)  # type: ignore[no-any-return]
+
+
+def data(family: str = "stack") -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    if family == "llama":
+        ids = torch.randint(0, 64, (SAMPLES, 6), generator=gen)
+        return ids, ids
+    x = torch.randn(SAMPLES, 4, generator=gen)
+    return x, torch.randn(SAMPLES, 2, generator=gen)
+
+
+def make(family: str = "stack") -> nn.Module:
+    torch.manual_seed(0)
+    if family == "llama":
+        from tests import mesh_models
+
+        return mesh_models.llama()
+    return Stack(depth=8 if family == "deep" else 4)
+
+
+def loss_of(family: str) -> Any:
+    if family == "llama":
+        def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1)
+            )
+        return lm_loss
+    return nn.functional.mse_loss
+
+
+def train(family: str = "stack", steps: int = 3, **prepare: Any) -> dict[str, Any]:
+    """``steps`` AdamW steps through ``accel.pipeline_step`` with clipping and accumulation."""
+    model = accel.prepare_model(make(family), **prepare)
+    optimizer = accel.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    x, y = data(family)
+    st = accel.state()
+    per = BATCH // st.dp_world_size
+    losses, norms = [], []
+    for step in range(steps):
+        lo = step * BATCH + st.dp_rank * per
+        with accel.accumulate(model):
+            loss = accel.pipeline_step(model, x[lo:lo + per], y[lo:lo + per],
+                                       loss_fn=loss_of(family))
+            norm = accel.clip_grad_norm_(model.parameters(), 0.5)
+            if accel.sync_gradients():
+                norms.append(float(norm))
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(accel.reduce(loss, reduction="mean")))
+    return {
+        "losses": losses,
+        "norms": norms,
+        "weights": {k: v.detach().clone() for k, v in local_weights(model).items()},
+        "pp": (st.pp_rank, st.pp_world_size),
+    }
+
+
+def local_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's parameters by global name, full (FSDP shards gathered within the stage)."""
+    out = {}
+    for name, param in model.named_parameters():
+        full = getattr(param, "full_tensor", None)
+        out[name] = (full() if full is not None else param).detach()
+    return out
+
+
+def merged(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Every rank's weights in one dict (the stages hold disjoint names)."""
+    out: dict[str, torch.Tensor] = {}
+    for result in results:
+        out.update(result["weights"])
+    return out
+
+
+def train_with(schedule: str, microbatches: int = 4) -> dict[str, Any]:
+    """:func:`train` with ``pp_plan="auto"`` and the schedule named."""
+    return train("stack", pp_plan="auto", pp_schedule=schedule, microbatches=microbatches)
