@@ -121,3 +121,51 @@ def merged(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 def train_with(schedule: str, microbatches: int = 4) -> dict[str, Any]:
     """:func:`train` with ``pp_plan="auto"`` and the schedule named."""
     return train("stack", pp_plan="auto", pp_schedule=schedule, microbatches=microbatches)
+
+
+def train_llama(schedule: str = "1F1B") -> dict[str, Any]:
+    """:func:`train` on a tiny transformers Llama split with ``pp_plan="auto"``."""
+    return train("llama", pp_plan="auto", pp_schedule=schedule, microbatches=4)
+
+
+def refusals() -> dict[str, str]:
+    """What a pipelined run refuses, each message by case (no step runs between them)."""
+    from accel.errors import ConfigError
+
+    said: dict[str, str] = {}
+    cases: dict[str, Any] = {
+        "no module": {"pp_plan": ["layers.9"]},
+        "more stages than blocks": {"pp_plan": "auto", "pp_schedule": "Interleaved1F1B",
+                                    "stages_per_rank": 3},
+        "dualpipev microbatches": {"pp_schedule": "DualPipeV", "microbatches": 2},
+        "1f1b microbatches": {"pp_schedule": "1F1B", "microbatches": 1},
+        "unknown schedule": {"pp_schedule": "1f1b_typo"},
+    }
+    for case, options in cases.items():
+        try:
+            accel.prepare_model(Stack(depth=2), **options)
+        except ConfigError as error:
+            said[case] = str(error)
+    model = accel.prepare_model(Stack(), pp_plan=["layers.2"], microbatches=4)
+    x, y = data()
+    try:
+        accel.pipeline_step(model, x[:6], y[:6], loss_fn=nn.functional.mse_loss)
+    except ConfigError as error:
+        said["batch"] = str(error)
+    return said
+
+
+def train_deep(schedule: str) -> dict[str, Any]:
+    """:func:`train` on an 8-block stack (enough blocks for 4 ranks x 2 stages)."""
+    return train("deep", pp_plan="auto", pp_schedule=schedule, microbatches=4)
+
+
+def refused_with_fsdp() -> str:
+    """The refusal of a zero-bubble schedule under FSDP (data parallel inside the stages)."""
+    from accel.errors import ConfigError
+
+    try:
+        accel.prepare_model(Stack(), pp_plan="auto", pp_schedule="ZBVZeroBubble")
+    except ConfigError as error:
+        return str(error)
+    return "not refused"

@@ -94,8 +94,8 @@ def schedule_spec(name: object) -> ScheduleSpec:
         import difflib
 
         names = [s.name for s in SCHEDULES.values()]
-        close = difflib.get_close_matches(str(name), names, n=1, cutoff=0.5)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        close = difflib.get_close_matches(str(name).lower(), list(SCHEDULES), n=1, cutoff=0.4)
+        hint = f" Did you mean {SCHEDULES[close[0]].name!r}?" if close else ""
         raise ConfigError(
             f"pp_schedule={name!r} is not one of torch's pipeline schedules {names}.{hint}"
         )

@@ -41,13 +41,20 @@ from accel.parallel.pipeline.split import (
     stage_view,
 )
 
-__all__ = ["LossSlot", "Pipeline", "StageModule", "pipeline_model", "pipeline_of"]
+__all__ = ["LossSlot", "Pipeline", "StageModule", "pipeline_model", "pipeline_of",
+           "tensor_output"]
 
 _PIPELINE = "_accel_pipeline"  # in the prepared model's __dict__: its Pipeline record
 
 
-def _tensor_output(out: Any) -> Any:
-    """A stage's output as torch's stage sends it: a tensor (or a tuple of them)."""
+def tensor_output(out: Any) -> Any:
+    """A stage's output as torch's stage sends it: a tensor (or a tuple of them); a
+    transformers output gives its logits.
+
+    Example:
+        >>> tensor_output(llama(input_ids=ids)).shape  # the logits
+        torch.Size([2, 6, 64])
+    """
     if isinstance(out, torch.Tensor | tuple):
         return out
     if isinstance(out, Mapping):  # a transformers ModelOutput: the logits, else the first
@@ -79,7 +86,7 @@ class StageModule(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         """The view's output (a transformers output gives its logits)."""
-        return _tensor_output(self.inner(*args, **self._kwargs))
+        return tensor_output(self.inner(*args, **self._kwargs))
 
 
 @attrs.define

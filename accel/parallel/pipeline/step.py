@@ -21,7 +21,7 @@ from torch import nn
 
 from accel.core.state import state
 from accel.errors import ArgumentTypeError, ConfigError
-from accel.parallel.pipeline.stages import Pipeline, pipeline_of
+from accel.parallel.pipeline.stages import Pipeline, pipeline_of, tensor_output
 from accel.precision.registry import PRECISIONS
 
 __all__ = ["pipeline_step"]
@@ -50,7 +50,7 @@ def _scaler(divide: int) -> Callable[[torch.Tensor], torch.Tensor]:
 def _whole(model: nn.Module, inputs: Any, labels: Any, loss_fn: Callable[..., Any]
            ) -> torch.Tensor:
     """A model that is not split (no ``pp`` dim): forward, loss, ``accel.backward``'s backward."""
-    loss = loss_fn(model(*_as_args(inputs)), labels)
+    loss = loss_fn(tensor_output(model(*_as_args(inputs))), labels)
     scaled = _scaler(state().gradient_accumulation_steps)(loss)
     if scaled.requires_grad:
         scaled.backward()  # type: ignore[no-untyped-call]

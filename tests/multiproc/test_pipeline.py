@@ -1,0 +1,86 @@
+"""Pipeline parallelism (``pp_size``) equals one process, on 2 and 4 gloo processes.
+
+Every run trains the same model on the same batches (fp32) through ``accel.pipeline_step``
+with clipping (the global norm over the stages) and compares with one process running the same
+loop unsplit: each step's loss and gradient norm, and the weights after 3 AdamW steps (the
+stages' weights merged by their global names).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+
+from accel.testing import run_distributed
+from tests import pipeline_models as pm
+
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+             "ZBVZeroBubble", "DualPipeV"]
+_REFERENCE: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def _one_process(family: str = "stack", gas: int = 1) -> dict[str, Any]:
+    key = (family, gas)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = run_distributed(
+            pm.train, family, world_size=1, timeout=120, gradient_accumulation_steps=gas
+        )[0]
+    return _REFERENCE[key]
+
+
+def _assert_same(out: list[dict[str, Any]], want: dict[str, Any], atol: float = 1e-5) -> None:
+    got = pm.merged(out)
+    assert got.keys() == want["weights"].keys()
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(got[name], value, atol=atol, rtol=1e-5, msg=name)
+    for result in out:  # every rank: the same loss and norm as one process
+        assert result["losses"] == pytest.approx(want["losses"], abs=atol)
+        assert result["norms"] == pytest.approx(want["norms"], abs=atol)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_on_two_stages_equals_one_process(schedule: str) -> None:
+    out = run_distributed(pm.train_with, schedule, world_size=2, timeout=120, pp_size=2)
+    assert [o["pp"] for o in out] == [(0, 2), (1, 2)]
+    _assert_same(out, _one_process())
+    assert all(out[0]["weights"].keys().isdisjoint(o["weights"].keys()) for o in out[1:])
+
+
+def test_four_stages_and_pp_x_fsdp_with_accumulation_equal_one_process() -> None:
+    four = run_distributed(pm.train_deep, "Interleaved1F1B", world_size=4, timeout=120,
+                           pp_size=4)
+    _assert_same(four, _one_process("deep"))
+    both = run_distributed(pm.train_with, "1F1B", world_size=4, timeout=120, pp_size=2,
+                           dp_shard_size=2, gradient_accumulation_steps=2)
+    assert [o["pp"] for o in both] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    _assert_same(both[::2], _one_process(gas=2))  # dp ranks of a stage hold the same weights
+
+
+def test_zero_bubble_schedules_with_fsdp_and_bad_plans_are_refused() -> None:
+    out = run_distributed(pm.refusals, world_size=2, timeout=120, pp_size=2)
+    said = out[0]
+    assert out[1] == said
+    assert "'layers.9', which is no module of Stack" in said["no module"]
+    assert "more stages than blocks" in said["more stages than blocks"]
+    assert "'DualPipeV' needs at least as many microbatches as stages" in (
+        said["dualpipev microbatches"])
+    assert "microbatches=1 < 2 stages" in said["1f1b microbatches"]
+    assert "Did you mean '1F1B'" in said["unknown schedule"]
+    assert "batch of 6 samples does not split into microbatches=4" in said["batch"]
+    fsdp = run_distributed(pm.refused_with_fsdp, world_size=4, timeout=120, pp_size=2,
+                           dp_shard_size=2)
+    assert all("'ZBVZeroBubble' splits each backward" in f and "FSDP" in f for f in fsdp)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="transformers not installed")
+@pytest.mark.preload("transformers", "transformers.models.llama.modeling_llama")
+def test_a_transformers_llama_split_auto_equals_one_process() -> None:
+    out = run_distributed(pm.train_llama, "1F1B", world_size=2, timeout=120, pp_size=2)
+    first, last = (set(o["weights"]) for o in out)
+    assert "model.embed_tokens.weight" in first and "model.layers.0.mlp.up_proj.weight" in first
+    assert {"model.norm.weight", "lm_head.weight", "model.layers.1.mlp.up_proj.weight"} <= last
+    _assert_same(out, _one_process("llama"), atol=5e-5)
