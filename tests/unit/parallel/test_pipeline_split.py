@@ -42,7 +42,7 @@ def test_units_follow_the_split_points_and_views_share_the_weights() -> None:
 
 def test_bad_plans_are_refused_before_anything_changes() -> None:
     model = pm.Stack()
-    with pytest.raises(ConfigError, match="'layer.2', which is no module of Stack"):
+    with pytest.raises(ConfigError, match=r"'layer.2', which is no module of Stack"):
         stage_plan(model, ["layer.2"])
     with pytest.raises(ConfigError, match="not in the model's order"):
         stage_plan(model, ["layers.3", "layers.1"])
