@@ -74,15 +74,19 @@ def loss_of(family: str) -> Any:
     return nn.functional.mse_loss
 
 
-def train(family: str = "stack", steps: int = 3, **prepare: Any) -> dict[str, Any]:
-    """``steps`` AdamW steps through ``accel.pipeline_step`` with clipping and accumulation."""
+def train(family: str = "stack", steps: int = 3, *, start: int = 0, save: str | None = None,
+          load: str | None = None, **prepare: Any) -> dict[str, Any]:
+    """``steps`` AdamW steps through ``accel.pipeline_step`` with clipping and accumulation
+    (from batch ``start``), optionally loading a checkpoint first and saving one after."""
     model = accel.prepare_model(make(family), **prepare)
     optimizer = accel.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    if load is not None:
+        accel.load_state(load, model=model, optimizer=optimizer)
     x, y = data(family)
     st = accel.state()
     per = BATCH // st.dp_world_size
     losses, norms = [], []
-    for step in range(steps):
+    for step in range(start, start + steps):
         lo = step * BATCH + st.dp_rank * per
         with accel.accumulate(model):
             loss = accel.pipeline_step(model, x[lo:lo + per], y[lo:lo + per],
@@ -93,6 +97,8 @@ def train(family: str = "stack", steps: int = 3, **prepare: Any) -> dict[str, An
             optimizer.step()
             optimizer.zero_grad()
         losses.append(float(accel.reduce(loss, reduction="mean")))
+    if save is not None:
+        accel.save_state(save, model=model, optimizer=optimizer)
     return {
         "losses": losses,
         "norms": norms,
@@ -169,3 +175,11 @@ def refused_with_fsdp() -> str:
     except ConfigError as error:
         return str(error)
     return "not refused"
+
+
+def chain(steps: int, start: int, save: str | None, load: str | None,
+          schedule: str | None) -> dict[str, Any]:
+    """:func:`train` from batch ``start``, loading and saving; pipelined when ``schedule``."""
+    prepare: dict[str, Any] = {} if schedule is None else {
+        "pp_plan": "auto", "pp_schedule": schedule, "microbatches": 4}
+    return train("stack", steps, start=start, save=save, load=load, **prepare)

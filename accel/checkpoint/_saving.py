@@ -34,6 +34,7 @@ from accel.checkpoint._agreement import Call, settle
 from accel.checkpoint.layout import FORMAT, MANIFEST
 from accel.checkpoint.objects import plan_object
 from accel.checkpoint.sharded.pieces import plan_sharded
+from accel.checkpoint.sharded.stages import plan_staged
 from accel.comm.collectives import gather_object
 from accel.comm.failures import describe
 from accel.core.state import state
@@ -147,7 +148,9 @@ def plan_rank_files(
     for name, obj in objects.items():
         counter = accumulation_step(obj) if isinstance(
             obj, nn.Module) else None
-        sharded = plan_sharded(tmp, name, obj, objects, rank, writer, counter)
+        sharded = plan_staged(tmp, name, obj, objects, rank, writer, counter)
+        if sharded is None:
+            sharded = plan_sharded(tmp, name, obj, objects, rank, writer, counter)
         if sharded is not None:  # FSDP (DTensor) state: every rank writes its own shards
             files += sharded
             continue

@@ -9,6 +9,7 @@ stages' weights merged by their global names).
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -84,3 +85,25 @@ def test_a_transformers_llama_split_auto_equals_one_process() -> None:
     assert "model.embed_tokens.weight" in first and "model.layers.0.mlp.up_proj.weight" in first
     assert {"model.norm.weight", "lm_head.weight", "model.layers.1.mlp.up_proj.weight"} <= last
     _assert_same(out, _one_process("llama"), atol=5e-5)
+
+
+def test_a_pp2_checkpoint_resumes_on_one_process_and_on_another_pipeline(
+    tmp_path: Path,
+) -> None:
+    want = run_distributed(pm.train, "stack", 4, world_size=1, timeout=120)[0]
+    saved = str(tmp_path / "pp2")
+    run_distributed(pm.chain, 3, 0, saved, None, "1F1B", world_size=2, timeout=120, pp_size=2)
+    one = run_distributed(pm.chain, 1, 3, None, saved, None, world_size=1, timeout=120)[0]
+    assert one["losses"] == pytest.approx(want["losses"][3:], abs=1e-5)
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(one["weights"][name], value, atol=1e-5, rtol=1e-5)
+    v_shape = run_distributed(pm.chain, 1, 3, None, saved, "ZBVZeroBubble", world_size=2,
+                              timeout=120, pp_size=2)  # 4 stages in a V: other owners
+    _assert_same(v_shape, {**want, "losses": want["losses"][3:], "norms": want["norms"][3:]})
+    sharded = str(tmp_path / "pp2xfsdp2")  # FSDP pieces inside each stage
+    run_distributed(pm.chain, 3, 0, sharded, None, "1F1B", world_size=4, timeout=120,
+                    pp_size=2, dp_shard_size=2)
+    again = run_distributed(pm.chain, 1, 3, None, sharded, None, world_size=1, timeout=120)[0]
+    assert again["losses"] == pytest.approx(want["losses"][3:], abs=1e-5)
+    for name, value in want["weights"].items():
+        torch.testing.assert_close(again["weights"][name], value, atol=1e-5, rtol=1e-5)

@@ -144,7 +144,8 @@ def _first_copy(mesh: Any, where_in_root: dict[str, int]) -> bool:
     names = mesh.mesh_dim_names
     if not names or not set(names) <= set(where_in_root):
         return True  # a mesh of the user's own: its pieces are all written
-    return all(c == 0 for name, c in where_in_root.items() if name not in names)
+    # a pipeline stage's tensors live on its own "pp" coordinate only: each stage writes its own
+    return all(c == 0 for name, c in where_in_root.items() if name not in names and name != "pp")
 
 
 def _local_pieces(

@@ -36,6 +36,7 @@ from accel.checkpoint.sharded.pieces import (
     SHARDS,
     owner_model,
 )
+from accel.checkpoint.sharded.stages import only_local
 from accel.core.tree import dtensor_type, holds_dtensors
 from accel.errors import CheckpointError
 from accel.training.model import unwrap_model
@@ -344,6 +345,7 @@ def resolve(
         module = unwrap_model(obj) if isinstance(obj, nn.Module) else None
         if module is not None and isinstance(saved, Mapping):
             saved = untie(module, saved, extra)  # tied names: each as the target names it
+            saved = only_local(saved, module, optimizer=False)  # a pipeline stage's names
         model: nn.Module | None = None
         if by_name:
             model = owner_model(name, obj, objects, "load_state")
@@ -354,6 +356,8 @@ def resolve(
                 saved, by_name = keyed, True
             else:
                 model = None
+        if by_name and model is not None:
+            saved = only_local(saved, model, optimizer=True)
         params = module.parameters() if module is not None else _optimizer_params(obj)
         if meta is None and not by_name and not holds_dtensors(params):
             loaded[name] = (saved, extra)
