@@ -99,7 +99,9 @@ def train(family: str = "stack", steps: int = 3, *, start: int = 0, save: str | 
         losses.append(float(accel.reduce(loss, reduction="mean")))
     if save is not None:
         accel.save_state(save, model=model, optimizer=optimizer)
+        accel.save_model(model, f"{save}_weights")  # full weights from every stage
     return {
+        "full": accel.get_state_dict(model),
         "losses": losses,
         "norms": norms,
         "weights": {k: v.detach().clone() for k, v in local_weights(model).items()},

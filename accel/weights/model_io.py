@@ -42,10 +42,23 @@ def get_state_dict(model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.
         >>> sd = accel.get_state_dict(model)   # a DDP model gives the bare module's keys
     """
     target = unwrap_model(as_module(model, "accel.get_state_dict")) if unwrap else model
+    if _pipelined(target):  # every stage's weights, gathered from every rank
+        from accel.parallel.pipeline.weights import all_stages
+
+        stage = _full_weights.sharded_state(target)
+        local = (_full_weights.gather(stage) if stage is not None
+                 else {k: v.detach() for k, v in target.state_dict().items()})
+        return all_stages(target, local)
     sharded = _full_weights.sharded_state(target)
     if sharded is not None:
         return _full_weights.gather(sharded)
     return {k: v.detach() for k, v in target.state_dict().items()}
+
+
+def _pipelined(module: nn.Module) -> bool:
+    from accel.parallel.pipeline.stages import pipeline_of
+
+    return pipeline_of(module) is not None
 
 
 def _parse_size(size: int | str) -> int:
@@ -233,7 +246,8 @@ def save_model(
     limit = _parse_size(max_shard_size)
     each = _nodes.resolve(on_each_node, "save_model")
     module = unwrap_model(model)
-    sharded = _full_weights.sharded_state(module)  # FSDP: gathered file by file
+    # FSDP: gathered file by file (a pipelined model's stages: all at once, every rank)
+    sharded = None if _pipelined(module) else _full_weights.sharded_state(module)
     tensors = get_state_dict(model) if sharded is None else sharded
     tied = tie_map(module)  # a tied weight is written once, under its first name
     if tied:

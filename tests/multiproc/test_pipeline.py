@@ -37,7 +37,10 @@ def _assert_same(out: list[dict[str, Any]], want: dict[str, Any], atol: float = 
     assert got.keys() == want["weights"].keys()
     for name, value in want["weights"].items():
         torch.testing.assert_close(got[name], value, atol=atol, rtol=1e-5, msg=name)
-    for result in out:  # every rank: the same loss and norm as one process
+    for result in out:  # every rank: the same loss and norm as one process, all weights
+        assert list(result["full"]) == list(want["full"])  # the unsplit model's order
+        for name, value in want["weights"].items():
+            torch.testing.assert_close(result["full"][name], value, atol=atol, rtol=1e-5)
         assert result["losses"] == pytest.approx(want["losses"], abs=atol)
         assert result["norms"] == pytest.approx(want["norms"], abs=atol)
 
@@ -93,6 +96,10 @@ def test_a_pp2_checkpoint_resumes_on_one_process_and_on_another_pipeline(
     want = run_distributed(pm.train, "stack", 4, world_size=1, timeout=120)[0]
     saved = str(tmp_path / "pp2")
     run_distributed(pm.chain, 3, 0, saved, None, "1F1B", world_size=2, timeout=120, pp_size=2)
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "pp2_weights" / "model.safetensors"))
+    assert weights.keys() == want["weights"].keys()  # save_model: every stage's weights
     one = run_distributed(pm.chain, 1, 3, None, saved, None, world_size=1, timeout=120)[0]
     assert one["losses"] == pytest.approx(want["losses"][3:], abs=1e-5)
     for name, value in want["weights"].items():

@@ -11,7 +11,8 @@ One module per concept, each imported on its own (this package defines no names)
   rank, FSDP inside each, the ``PipelineStage`` objects and the schedule;
 - :mod:`accel.parallel.pipeline.step`: ``accel.pipeline_step``, one training step for every
   rank;
-- :mod:`accel.parallel.pipeline.grads`: the gradient norm summed over the stages.
+- :mod:`accel.parallel.pipeline.grads`: the gradient norm summed over the stages;
+- :mod:`accel.parallel.pipeline.weights`: the full weights gathered from every stage.
 """
 
 __all__: list[str] = []  # the modules are imported on their own

@@ -131,6 +131,8 @@ class Pipeline:
     microbatches: int
     slot: LossSlot
     group: Any
+    units: tuple[str, ...]
+    """The unsplit model's units in order (full weights are put back in this order)."""
     last_rank: int
     """The pipeline rank holding the last stage (the loss is broadcast from it)."""
 
@@ -261,7 +263,7 @@ def pipeline_model(
         spec=spec, schedule=build_schedule(spec, stages, count, slot), stages=tuple(stages),
         modules=tuple(modules),  # type: ignore[arg-type]
         stage_indices=local, num_stages=num_stages, microbatches=count, slot=slot,
-        group=group, last_rank=0 if spec.layout == "v" else pp - 1,
+        group=group, units=plan_of.units, last_rank=0 if spec.layout == "v" else pp - 1,
     )
     model.__dict__[_PIPELINE] = record
     return True
