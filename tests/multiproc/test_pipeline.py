@@ -63,6 +63,17 @@ def test_four_stages_and_pp_x_fsdp_with_accumulation_equal_one_process() -> None
     _assert_same(both[::2], _one_process(gas=2))  # dp ranks of a stage hold the same weights
 
 
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_mixed_precision_runs_on_every_stage(mode: str) -> None:
+    out = run_distributed(pm.train_with, "1F1B", world_size=2, timeout=120, pp_size=2,
+                          mixed_precision=mode)  # fp16: every stage's scaler in step
+    want = _one_process()
+    assert out[0]["losses"] == out[1]["losses"]
+    assert out[0]["losses"] == pytest.approx(want["losses"], abs=0.02)
+    got = pm.merged(out)
+    assert max(float((got[k] - v).abs().max()) for k, v in want["weights"].items()) < 0.1
+
+
 def test_zero_bubble_schedules_with_fsdp_and_bad_plans_are_refused() -> None:
     out = run_distributed(pm.refusals, world_size=2, timeout=120, pp_size=2)
     said = out[0]
@@ -97,6 +108,10 @@ def test_a_pp2_checkpoint_resumes_on_one_process_and_on_another_pipeline(
     saved = str(tmp_path / "pp2")
     run_distributed(pm.chain, 3, 0, saved, None, "1F1B", world_size=2, timeout=120, pp_size=2)
     from safetensors.torch import load_file
+
+    from accel.cli.main import main
+
+    assert main(["checkpoint", "verify", saved]) == 0  # every stage's pieces, each key once
 
     weights = load_file(str(tmp_path / "pp2_weights" / "model.safetensors"))
     assert weights.keys() == want["weights"].keys()  # save_model: every stage's weights

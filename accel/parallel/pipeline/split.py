@@ -226,6 +226,7 @@ def stage_plan(model: nn.Module, splits: Sequence[str]) -> StagePlan:
         has_buffers = any(True for _ in module.buffers())
         stages.append(SHARED if not has_params and has_buffers else stage)
     plan = StagePlan(tuple(order), tuple(stages), len(splits) + 1, crossed)
+    _check_ties(plan, dict(units))
     for s in range(plan.num_stages):
         owned = [u for u, k in zip(order, stages, strict=True) if k == s]
         if not any(any(True for _ in model.get_submodule(u).parameters()) for u in owned):
@@ -235,6 +236,22 @@ def stage_plan(model: nn.Module, splits: Sequence[str]) -> StagePlan:
                 "every stage holds a layer."
             )
     return plan
+
+
+def _check_ties(plan: StagePlan, modules: dict[str, nn.Module]) -> None:
+    """Refuse a parameter shared by units of two stages (an LM head tied to the embedding):
+    each stage would train its own copy of it."""
+    owner: dict[int, tuple[str, int]] = {}
+    for unit, stage in zip(plan.units, plan.stages, strict=True):
+        for name, param in modules[unit].named_parameters(remove_duplicate=False):
+            first = owner.setdefault(id(param), (f"{unit}.{name}", stage))
+            if first[1] != stage:
+                raise ConfigError(
+                    f"{first[0]!r} (stage {first[1]}) and {unit}.{name!r} (stage {stage}) are "
+                    "one tied parameter split across pipeline stages: each stage would train "
+                    "its own copy. Untie them (e.g. `tie_word_embeddings=False`) or keep both "
+                    "modules on one stage."
+                )
 
 
 def _shallow(module: nn.Module) -> nn.Module:

@@ -66,6 +66,10 @@ def _run(pipe: Pipeline, inputs: Any, labels: Any, loss_fn: Callable[..., Any]) 
             "mean is not the batch's). Use a batch size divisible by the microbatches, or "
             "`accel.prepare_model(..., microbatches=...)` that divides it."
         )
+    device = state().device
+    # fp16: every stage's GradScaler takes its scale now (only the last stage scales a loss;
+    # the others unscale the gradients that loss sent back, by the same agreed scale)
+    PRECISIONS[state().mixed_precision].scale_loss(torch.ones((), device=device))
     slot = pipe.slot
     slot.fn, slot.losses = loss_fn, []
     slot.scale = _scaler(pipe.microbatches * state().gradient_accumulation_steps)
@@ -79,7 +83,6 @@ def _run(pipe: Pipeline, inputs: Any, labels: Any, loss_fn: Callable[..., Any]) 
             pipe.schedule.eval(*args, target=target)
     finally:
         slot.fn = None
-    device = state().device
     # the last M: torch's first step also calls the loss once on its shape-inference output
     mean = (torch.stack(slot.losses[-pipe.microbatches:]).float().mean().to(device) if pipe.has_last
             else torch.zeros((), dtype=torch.float32, device=device))

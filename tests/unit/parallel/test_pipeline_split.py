@@ -57,6 +57,13 @@ def test_bad_plans_are_refused_before_anything_changes() -> None:
     assert not isinstance(model.inp, PassThrough)
 
 
+def test_a_weight_tied_across_stages_is_refused() -> None:
+    model = pm.Stack()
+    model.head.weight = model.inp.weight  # (8, 4) would not fit; the tie is what counts
+    with pytest.raises(ConfigError, match="one tied parameter split across pipeline stages"):
+        stage_plan(model, ["layers.2"])
+
+
 def test_schedules_check_their_microbatches_and_stages() -> None:
     assert {s.name for s in SCHEDULES.values()} == {
         "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
