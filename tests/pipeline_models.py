@@ -185,3 +185,9 @@ def chain(steps: int, start: int, save: str | None, load: str | None,
     prepare: dict[str, Any] = {} if schedule is None else {
         "pp_plan": "auto", "pp_schedule": schedule, "microbatches": 4}
     return train("stack", steps, start=start, save=save, load=load, **prepare)
+
+
+def train_checkpointed(schedule: str) -> dict[str, Any]:
+    """:func:`train` with activation checkpointing on the stages' blocks."""
+    return train("stack", pp_plan="auto", pp_schedule=schedule, microbatches=4,
+                 activation_checkpointing=True)

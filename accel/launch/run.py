@@ -126,9 +126,9 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
                        ("tp", "tensor-parallel degree"),
                        ("cp", "context-parallel degree (not available on CPU)"),
                        ("pp", "pipeline-parallel stages")):
-        mesh.add_argument(f"--{size.replace('_', '-')}-size", f"--{size}_size",
-                          f"--parallelism_config_{size}_size", dest=f"{size}_size", type=int,
-                          metavar="N", help=what)
+        accelerate = () if size == "pp" else (f"--parallelism_config_{size}_size",)
+        mesh.add_argument(f"--{size.replace('_', '-')}-size", f"--{size}_size", *accelerate,
+                          dest=f"{size}_size", type=int, metavar="N", help=what)
     policy.add_argument("--config-file", "--config_file", metavar="F",
                         help="config file (default: $ACCEL_CONFIG_FILE, else "
                              "~/.config/accel/config.toml)")

@@ -129,3 +129,9 @@ def test_a_pp2_checkpoint_resumes_on_one_process_and_on_another_pipeline(
     assert again["losses"] == pytest.approx(want["losses"][3:], abs=1e-5)
     for name, value in want["weights"].items():
         torch.testing.assert_close(again["weights"][name], value, atol=1e-5, rtol=1e-5)
+
+
+def test_activation_checkpointing_inside_the_stages_equals_one_process() -> None:
+    out = run_distributed(pm.train_checkpointed, "Interleaved1F1B", world_size=2,
+                          timeout=120, pp_size=2)
+    _assert_same(out, _one_process())
