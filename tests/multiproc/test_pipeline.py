@@ -122,6 +122,14 @@ def test_a_pp2_checkpoint_resumes_on_one_process_and_on_another_pipeline(
     v_shape = run_distributed(pm.chain, 1, 3, None, saved, "ZBVZeroBubble", world_size=2,
                               timeout=120, pp_size=2)  # 4 stages in a V: other owners
     _assert_same(v_shape, {**want, "losses": want["losses"][3:], "norms": want["norms"][3:]})
+    plain = str(tmp_path / "one")  # and a one-process checkpoint into a pipeline
+    run_distributed(pm.chain, 3, 0, plain, None, None, world_size=1, timeout=120)
+    into = run_distributed(pm.chain, 1, 3, None, plain, "1F1B", world_size=2, timeout=120,
+                           pp_size=2)
+    _assert_same(into, {**want, "losses": want["losses"][3:], "norms": want["norms"][3:]})
+    both = run_distributed(pm.chain, 1, 3, None, saved, "1F1B", world_size=4, timeout=120,
+                           pp_size=2, dp_shard_size=2)  # into FSDP shards inside the stages
+    _assert_same(both[::2], {**want, "losses": want["losses"][3:], "norms": want["norms"][3:]})
     sharded = str(tmp_path / "pp2xfsdp2")  # FSDP pieces inside each stage
     run_distributed(pm.chain, 3, 0, sharded, None, "1F1B", world_size=4, timeout=120,
                     pp_size=2, dp_shard_size=2)
