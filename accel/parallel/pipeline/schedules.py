@@ -103,7 +103,7 @@ def schedule_spec(name: object) -> ScheduleSpec:
 
 
 def check_schedule(
-    spec: ScheduleSpec, *, pp_size: int, stages_per_rank: int | None, microbatches: object,
+    spec: ScheduleSpec, *, pp_size: int, stages_per_rank: object, microbatches: object,
 ) -> tuple[int, int]:
     """``(stages_per_rank, microbatches)`` once checked for ``spec`` on ``pp_size`` ranks.
 

@@ -34,8 +34,8 @@ from torch import nn
 from accel.errors import ConfigError
 from accel.parallel.blocks import declared_blocks
 
-__all__ = ["PassThrough", "StagePlan", "block_names", "keep_stages", "split_points",
-           "stage_plan", "stage_view"]
+__all__ = ["PassThrough", "StagePlan", "block_names", "crossed_modules", "keep_stages",
+           "split_points", "stage_plan", "stage_view"]
 
 SHARED = -1
 """The stage number of a unit every stage keeps (buffers, no parameters)."""
@@ -159,7 +159,16 @@ def split_points(model: nn.Module, plan: object, num_stages: int) -> list[str]:
     return [blocks[k * len(blocks) // num_stages] for k in range(1, num_stages)]
 
 
-def _crossed(model: nn.Module, splits: Sequence[str]) -> frozenset[str]:
+def crossed_modules(model: nn.Module, splits: Sequence[str]) -> frozenset[str]:
+    """The modules on the path to each split point (the root is ``""``).
+
+    Raises:
+        ConfigError: a split point that names no module of ``model``.
+
+    Example:
+        >>> sorted(crossed_modules(llama, ["model.layers.1"]))
+        ['', 'model', 'model.layers']
+    """
     names = dict(model.named_modules())
     crossed = {""}
     for point in splits:
@@ -187,7 +196,7 @@ def stage_plan(model: nn.Module, splits: Sequence[str]) -> StagePlan:
         >>> stage_plan(net, ["layers.2"]).units_of(0)
         ('embed', 'layers.0', 'layers.1')
     """
-    crossed = _crossed(model, splits)
+    crossed = crossed_modules(model, splits)
     for point in splits:
         if point in crossed:
             raise ConfigError(f"pp_plan split point {point!r} contains another split point; "

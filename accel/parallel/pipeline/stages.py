@@ -35,6 +35,7 @@ from accel.parallel.pipeline.schedules import (
     schedule_spec,
 )
 from accel.parallel.pipeline.split import (
+    crossed_modules,
     keep_stages,
     split_points,
     stage_plan,
@@ -161,9 +162,7 @@ def pipeline_of(model: nn.Module) -> Pipeline | None:
 def _check_names(model: nn.Module, plan: object) -> None:
     """Without a ``pp`` dim: the split points named must exist (the model stays whole)."""
     if isinstance(plan, list | tuple):
-        from accel.parallel.pipeline.split import _crossed
-
-        _crossed(model, [str(p) for p in plan])
+        crossed_modules(model, [str(p) for p in plan])
     elif isinstance(plan, bool) or not (isinstance(plan, int) or plan == "auto"):
         split_points(model, plan, 1)  # raises the plan's kind error
 
@@ -224,11 +223,11 @@ def pipeline_model(
     spec = schedule_spec("1F1B" if schedule is None else schedule)
     st = state()
     pp = st.pp_world_size
+    given = spec.default_stages_per_rank if stages_per_rank is None else stages_per_rank
+    default = pp * given if isinstance(given, int) else 1  # one microbatch per stage
     per_rank, count = check_schedule(
-        spec, pp_size=pp, stages_per_rank=stages_per_rank,  # type: ignore[arg-type]
-        microbatches=pp * (spec.default_stages_per_rank if stages_per_rank is None
-                           else stages_per_rank)  # type: ignore[operator]
-        if microbatches is None else microbatches,
+        spec, pp_size=pp, stages_per_rank=given,
+        microbatches=default if microbatches is None else microbatches,
     )
     if pp == 1:
         _check_names(model, plan)
