@@ -78,8 +78,12 @@ def train(family: str = "stack", steps: int = 3, *, start: int = 0, save: str | 
           load: str | None = None, **prepare: Any) -> dict[str, Any]:
     """``steps`` AdamW steps through ``accel.pipeline_step`` with clipping and accumulation
     (from batch ``start``), optionally loading a checkpoint first and saving one after."""
-    model = accel.prepare_model(make(family), **prepare)
-    optimizer = accel.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    if prepare.pop("together", False):  # made before: accel.prepare moves it to the stage
+        whole = make(family)
+        model, optimizer = accel.prepare(whole, torch.optim.AdamW(whole.parameters(), lr=0.01))
+    else:
+        model = accel.prepare_model(make(family), **prepare)
+        optimizer = accel.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
     if load is not None:
         accel.load_state(load, model=model, optimizer=optimizer)
     x, y = data(family)
@@ -191,3 +195,8 @@ def train_checkpointed(schedule: str) -> dict[str, Any]:
     """:func:`train` with activation checkpointing on the stages' blocks."""
     return train("stack", pp_plan="auto", pp_schedule=schedule, microbatches=4,
                  activation_checkpointing=True)
+
+
+def train_prepared_together() -> dict[str, Any]:
+    """:func:`train` through ``accel.prepare(model, optimizer)`` (pp_plan "auto", 1F1B)."""
+    return train("stack", together=True)

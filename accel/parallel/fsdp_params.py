@@ -144,7 +144,8 @@ def adopt_sharded_parameters(optimizer: Any, models: Iterable[object]) -> None:
 
     What ``accel.prepare(model, optimizer)`` does for an optimizer made on the unsharded model
     (Accelerate's FSDP2 flow): each parameter ``fully_shard`` replaced in one of ``models`` is
-    swapped for its sharded successor in the param groups. Parameters replaced in a model
+    swapped for its sharded successor in the param groups; one a pipeline split moved to
+    another rank's stage is dropped. Parameters replaced in a model
     that is not in ``models`` are left (``prepare_optimizer`` then refuses them).
 
     Args:
@@ -173,7 +174,11 @@ def adopt_sharded_parameters(optimizer: Any, models: Iterable[object]) -> None:
                     f"that state has the unsharded shape. {_FIX} Load optimizer state after "
                     "preparing (e.g. with `accel.load_state`)."
                 )
-            params[index] = found[0].get_parameter(found[1])
+            try:
+                params[index] = found[0].get_parameter(found[1])
+            except AttributeError:  # another pipeline stage's parameter: not this rank's
+                params[index] = None
+        group["params"] = [param for param in params if param is not None]
 
 
 def plain_norm(norm: torch.Tensor) -> torch.Tensor:

@@ -139,7 +139,11 @@ def test_a_pp2_checkpoint_resumes_on_one_process_and_on_another_pipeline(
         torch.testing.assert_close(again["weights"][name], value, atol=1e-5, rtol=1e-5)
 
 
-def test_activation_checkpointing_inside_the_stages_equals_one_process() -> None:
+def test_activation_checkpointing_and_an_optimizer_made_before_equal_one_process() -> None:
     out = run_distributed(pm.train_checkpointed, "Interleaved1F1B", world_size=2,
                           timeout=120, pp_size=2)
     _assert_same(out, _one_process())
+    for world, sizes in ((2, {}), (4, {"dp_shard_size": 2})):  # "auto" and 1F1B by default
+        together = run_distributed(pm.train_prepared_together, world_size=world, timeout=120,
+                                   pp_size=2, **sizes)
+        _assert_same(together[:: world // 2], _one_process())

@@ -237,6 +237,7 @@ def pipeline_model(
     plan_of = stage_plan(model, split_points(model, "auto" if plan is None else plan,
                                              num_stages))
     local = spec.stages_of(st.pp_rank, pp, per_rank)
+    before = dict(model.named_parameters())
     keep_stages(model, plan_of, local)
     if device_placement:
         model.to(st.device)
@@ -265,5 +266,8 @@ def pipeline_model(
         group=group, units=plan_of.units, last_rank=0 if spec.layout == "v" else pp - 1,
     )
     model.__dict__[_PIPELINE] = record
+    from accel.parallel.fsdp_params import mark_replaced
+
+    mark_replaced(model, before)  # an optimizer made before: moved over, or refused
     return True
 
