@@ -124,8 +124,8 @@ def test_multi_machine_ddp_and_what_cannot_be_imported(
         "strategy": "ddp", "num_machines": 2, "num_processes": 16, "machine_rank": 1,
         "main_process_ip": "10.0.0.1", "main_process_port": 29501, "mixed_precision": "fp8",
     }
-    assert "mixed_precision: 'fp8' -> mixed_precision = \"fp8\" (fp8 runs as bf16 autocast)" \
-        in out
+    assert "mixed_precision: 'fp8' -> mixed_precision = \"fp8\" (torchao float8 training " \
+        "(accel[fp8]))" in out
     assert "gpu_ids: '0,1,2,3,4,5,6,7' not imported: no config key: launch with " \
            "`CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7`" in out
     assert "dynamo_config: {'dynamo_backend': 'INDUCTOR'} not imported: no config key: pass " \
