@@ -14,7 +14,7 @@ from torch import nn
 import accel
 
 pytest.importorskip("torchao.float8")
-from torchao.float8.float8_linear import Float8Linear  # noqa: E402
+from torchao.float8.float8_linear import Float8Linear
 
 
 class Net(nn.Module):
