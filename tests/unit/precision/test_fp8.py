@@ -246,3 +246,22 @@ def test_a_tiny_llama_trains_within_fp8_tolerance_of_bf16() -> None:
     assert set(kinds.values()) == {"Float8Linear"} and len(kinds) == 14  # q k v o gate up down
     assert fp8[-1] < fp8[0]
     assert fp8 == pytest.approx(bf16, rel=0.03)
+
+
+def test_float8_tp_styles_only_for_tensorwise_float8_layers() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
+    from accel.precision.registry import precision_for
+
+    plan = {"inp": ColwiseParallel(), "hidden": RowwiseParallel(), "out": ColwiseParallel()}
+    with accel.distributed(mixed_precision="fp8", fp8_module_filter=lambda m, n: n != "out"):
+        model = accel.prepare_model(MLP())
+        styles = precision_for("fp8").parallel_styles(model, plan)
+    assert type(styles["inp"]) is Float8ColwiseParallel
+    assert type(styles["hidden"]).__name__ == "Float8RowwiseParallel"
+    assert styles["out"] is plan["out"]  # not a float8 layer
+    with accel.distributed(mixed_precision="fp8", fp8_recipe="rowwise"):
+        rowwise = accel.prepare_model(MLP())
+        assert precision_for("fp8").parallel_styles(rowwise, plan) == plan  # torchao's: tensorwise
+    assert precision_for("bf16").parallel_styles(model, plan) == plan
