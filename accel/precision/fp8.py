@@ -91,7 +91,11 @@ def float8_config(recipe: object, *, fsdp_all_gather: bool) -> Any:
     chosen = fp8_recipe_option(recipe, _ORIGIN)
     float8 = torchao_float8()
     if not isinstance(chosen, str):
-        return chosen
+        given: Any = chosen
+        if given.enable_fsdp_float8_all_gather and not fsdp_all_gather:
+            # its weights would be wrapper tensors outside FSDP2, with nothing to gather
+            return dataclasses.replace(given, enable_fsdp_float8_all_gather=False)
+        return given
     config = float8.Float8LinearConfig.from_recipe_name(chosen)
     if fsdp_all_gather and chosen == "tensorwise":
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)

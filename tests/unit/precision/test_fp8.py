@@ -122,6 +122,11 @@ def test_a_torchao_config_is_used_as_given() -> None:
     with accel.distributed(mixed_precision="fp8", fp8_recipe=config):
         model = accel.prepare_model(MLP())
     assert isinstance(model.inp, Float8Linear) and model.inp.config is config
+    gathering = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    with accel.distributed(mixed_precision="fp8", fp8_recipe=gathering):  # no FSDP2 here
+        model = accel.prepare_model(MLP())
+    assert not model.inp.config.enable_fsdp_float8_all_gather
+    assert type(model.inp.weight.data) is torch.Tensor  # plain weights, plain state dicts
 
 
 def test_recipe_from_the_environment_and_the_config_file(
