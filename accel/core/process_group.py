@@ -155,10 +155,10 @@ def distributed(
 
     Args:
         backend: torch.distributed backend; default nccl on CUDA, gloo on CPU.
-        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (which runs as bf16
-            autocast for now: the first feature that uses it, e.g. ``prepare_model`` or
-            ``accel.autocast()``, warns so, once per process). Checked here; what each mode
-            does is its unit's, in ``accel.precision``.
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (torchao's float8
+            training of the ``nn.Linear`` layers, bf16 autocast around them; needs the extra
+            ``accel[fp8]``; recipe ``fp8_recipe=`` below). Checked here; what each mode does
+            is its unit's, in ``accel.precision``.
         gradient_accumulation_steps: optimizer steps happen every this many batches.
         strategy: ``"none"``, ``"ddp"`` or ``"fsdp"``; default ddp with several processes.
         cpu: run on the CPU even when CUDA is available.
@@ -181,7 +181,11 @@ def distributed(
         cp_size: context-parallel degree; > 1 is a ``ConfigError`` (not available).
         **options: DDP and FSDP options, and ``activation_checkpointing`` (also
             ``ACCEL_ACTIVATION_CHECKPOINTING`` and the config key), the default of every
-            ``prepare_model`` in the block; readable as ``accel.state().options``.
+            ``prepare_model`` in the block; under fp8 ``fp8_recipe`` (``"tensorwise"``, the
+            default, ``"rowwise"`` or a torchao ``Float8LinearConfig``; also
+            ``ACCEL_FP8_RECIPE``, the config key and ``accel launch --fp8_recipe``) and
+            ``fp8_module_filter`` (``fn(module, name) -> bool``: the layers to convert).
+            Readable as ``accel.state().options``.
 
     Raises:
         ConfigError: an option or launch variable is invalid.

@@ -31,11 +31,12 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ENV_PREFIX",
     "FALSE_WORDS",
-    "FP8_NOTE",
+    "FP8_RECIPES",
     "MIXED_PRECISION_MODES",
     "MODEL_KEYS",
     "POLICY_KEYS",
     "POWER_SGD_OPTIONS",
+    "PRECISION_CODE_KEYS",
     "SETTINGS",
     "STRATEGIES",
     "TRUE_WORDS",
@@ -59,12 +60,12 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
 """The ``torch.distributed`` backends ``backend=`` accepts."""
 
-FP8_NOTE = (
-    "mixed_precision='fp8' runs as bf16 autocast: accel has no fp8 backend yet, so nothing "
-    "runs in fp8. `mixed_precision='bf16'` gives the same run and says so."
-)
-"""What the fp8 precision unit (``accel.precision.fp8``) warns, once per process, when a feature
-first uses the mode, and what ``accel env`` shows for ``fp8``."""
+FP8_RECIPES = ("tensorwise", "rowwise")
+"""The torchao float8 recipes ``fp8_recipe`` names (a torchao ``Float8LinearConfig`` object is
+accepted from code too); ``accel.precision.fp8`` turns them into torchao configs."""
+PRECISION_CODE_KEYS = ("fp8_module_filter",)
+"""Options of the precision units that only code can give (a callable): ``distributed()``
+keywords, read from ``accel.state().options``."""
 
 DEFAULT_PORT = 29500
 """The rendezvous port when none is given and none can be chosen or derived."""
@@ -240,8 +241,8 @@ SETTINGS: Mapping[str, Spec] = {
     "max_restarts": Spec("int", "times the job restarts after a process fails", 0, minimum=0),
     # the run-wide policy (read by accel.distributed(), also as ACCEL_<KEY>)
     "mixed_precision": Spec(
-        "choice", "autocast precision (fp8 runs as bf16 for now)", "no",
-        choices=MIXED_PRECISION_MODES, layer="policy",
+        "choice", "autocast precision (fp8: torchao float8 Linear layers, bf16 around them)",
+        "no", choices=MIXED_PRECISION_MODES, layer="policy",
     ),
     "gradient_accumulation_steps": Spec(
         "int", "batches per optimizer step", 1, minimum=1, layer="policy"
@@ -307,6 +308,10 @@ SETTINGS: Mapping[str, Spec] = {
     "activation_checkpointing": Spec(
         "blocks", "recompute each block's activations in the backward (true, or block class "
         "names)", False, layer="model",
+    ),
+    "fp8_recipe": Spec(
+        "choice", "torchao float8 recipe under mixed_precision='fp8'", "tensorwise",
+        choices=FP8_RECIPES, layer="model",
     ),
 }
 """Every config key, its kind, meaning, default (``None``: decided at run time) and limits."""

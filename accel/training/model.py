@@ -27,6 +27,7 @@ from accel.parallel.ddp import DDPOptions, ddp_options, make_ddp, note_ignored
 from accel.parallel.ddp_teardown import watch_reducers
 from accel.parallel.fsdp_params import mark_replaced
 from accel.precision.casting import prepare_forward, remove_forward
+from accel.precision.registry import precision_for
 
 __all__ = ["is_prepared", "prepare_model", "unwrap_model"]
 
@@ -126,10 +127,30 @@ def _split_tensor_parallel(model: nn.Module, tp_plan: object, device_placement: 
     if device_placement:
         model.to(st.device)
     before = dict(model.named_parameters())
-    split = apply_tensor_parallel(model, tp_plan, st.mesh)
+    styles = precision_for(st.mixed_precision).parallel_styles
+    split = apply_tensor_parallel(model, tp_plan, st.mesh, styles=styles)
     if split:
         mark_replaced(model, before)  # an optimizer made before prepare_model is moved over
     return split
+
+
+def _convert_modules(
+    model: nn.Module, chosen: str, tp_plan: object, evaluation_mode: bool
+) -> None:
+    """The mode's own layers (fp8: torchao's float8 ``nn.Linear``), before any split or
+    sharding, told whether FSDP2 will shard the model and whether TP may split it."""
+    st = state()
+    tensor_parallel = st.tp_world_size > 1 and (tp_plan is not None or _carries_plan(model))
+    fsdp = not evaluation_mode and st.dp_world_size > 1 and (chosen == "fsdp" or tensor_parallel)
+    precision_for(st.mixed_precision).convert_modules(
+        model, fsdp=fsdp, tensor_parallel=tensor_parallel
+    )
+
+
+def _carries_plan(model: nn.Module) -> bool:
+    from accel.parallel.tensor_parallel import carries_plan
+
+    return carries_plan(model)
 
 
 def prepare_model(
@@ -145,8 +166,10 @@ def prepare_model(
 ) -> nn.Module:
     """Make ``model`` ready for the run: device, mixed precision forward, DDP or FSDP2, compile.
 
-    In order: the model moves to ``accel.state().device``; under mixed precision (bf16/fp16)
-    its ``forward`` is wrapped once to run in autocast and return floating outputs as fp32
+    In order: under ``mixed_precision="fp8"`` its eligible ``nn.Linear`` layers become
+    torchao's ``Float8Linear`` (see ``docs/training.md#fp8``); the model moves to
+    ``accel.state().device``; under mixed precision (bf16/fp16/fp8) its ``forward`` is
+    wrapped once to run in autocast and return floating outputs as fp32
     (Accelerate's ``convert_outputs_to_fp32``); with several processes and the ``"ddp"``
     strategy it is wrapped in :class:`~torch.nn.parallel.DistributedDataParallel` (gloo on
     CPU without ``device_ids``, CUDA with ``device_ids=[device.index]``) unless
@@ -231,6 +254,7 @@ def prepare_model(
     st = state()
     checkpointing = _checkpointing_choice(activation_checkpointing, st.options)
     shard_modules = None
+    _convert_modules(model, chosen, tp_plan, evaluation_mode)
     split = _split_tensor_parallel(model, tp_plan, device_placement)
     if split and chosen != "fsdp":
         # TP weights are DTensors, which DDP cannot sync: FSDP2 keeps the data-parallel

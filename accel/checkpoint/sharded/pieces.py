@@ -29,7 +29,7 @@ from torch import nn
 from accel._files.writer import PlannedFile
 from accel.checkpoint.objects import plan_object
 from accel.core.state import state
-from accel.core.tree import dtensor_type, holds_dtensors
+from accel.core.tree import dtensor_type, holds_dtensors, plain_tensor
 from accel.errors import AccelError, CheckpointArgumentError, CheckpointError
 from accel.training.model import unwrap_model
 from accel.weights.ties import TIED, owner, tie_map
@@ -180,7 +180,7 @@ def _local_pieces(
         shape, offset = compute_local_shape_and_global_offset(
             dt.shape, dt.device_mesh, dt.placements
         )
-        local = dt.to_local().detach()
+        local = plain_tensor(dt.to_local().detach())  # torchao's float8 weights: their values
         if tuple(local.shape) != tuple(shape):
             raise CheckpointError(
                 f"Cannot save {key!r}: its local shard has shape {tuple(local.shape)}, not the "
