@@ -20,9 +20,9 @@ from accel.core.env import LaunchEnv, read_launch_env
 from accel.core.scope import Scope, enter_scope, leave_scope
 from accel.core.settings import (
     DEFAULT_TIMEOUT_S,
-    CpMethod,
     MIXED_PRECISION_MODES,
     STRATEGIES,
+    CpMethod,
     MixedPrecision,
     Strategy,
 )

@@ -33,9 +33,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
-import functools
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -167,6 +167,11 @@ class _Gather(torch.autograd.Function):
         return total.narrow(ctx.dim, ctx.rank * ctx.piece, ctx.piece), None, None
 
 
+def _apply(function: type[torch.autograd.Function], *args: Any) -> torch.Tensor:
+    out: torch.Tensor = function.apply(*args)  # type: ignore[no-untyped-call]
+    return out
+
+
 # --- attention ---
 
 
@@ -217,9 +222,9 @@ def _attention(plan: _Plan | None, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         return _ring(plan, q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
     _check_heads(q.shape[1], k.shape[1], plan.size)
     group = plan.group()
-    q, k, v = (_AllToAll.apply(t, group, True) for t in (q, k, v))
+    q, k, v = (_apply(_AllToAll, t, group, True) for t in (q, k, v))
     out = _sdpa(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p)
-    return _AllToAll.apply(out, group, False)  # type: ignore[no-any-return]
+    return _apply(_AllToAll, out, group, False)
 
 
 def sequence_parallel_attention(
@@ -265,7 +270,7 @@ def _transformers_attention(
     if plan is None:  # not under context parallelism: transformers' own SDPA
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(  # type: ignore[no-any-return]
+        return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             is_causal=is_causal, **kwargs,
         )
@@ -418,7 +423,7 @@ def _loss(logits: torch.Tensor, shift_labels: torch.Tensor,
     part = total / count
     if plan is None:
         return part
-    return _SumOverGroup.apply(part, plan.group())  # type: ignore[no-any-return]
+    return _apply(_SumOverGroup, part, plan.group())
 
 
 def gather_sequence(tensor: torch.Tensor) -> torch.Tensor:
@@ -436,13 +441,13 @@ def gather_sequence(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _gather(tensor: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    whole = _Gather.apply(tensor, plan.group(), 1)
+    whole = _apply(_Gather, tensor, plan.group(), 1)
     if not plan.balanced:
-        return whole  # type: ignore[no-any-return]
+        return whole
     length = tensor.shape[1] * plan.size
     order = torch.cat([_positions(length, attrs.evolve(plan, rank=r), tensor.device)
                        for r in range(plan.size)])
-    return whole.index_select(1, torch.argsort(order))  # type: ignore[no-any-return]
+    return whole.index_select(1, torch.argsort(order))
 
 
 # --- transformers models, wired by prepare_model ---
@@ -491,7 +496,7 @@ class SequenceShardedForward:
 def _replaced(output: Any, **values: Any) -> Any:
     import dataclasses
 
-    if dataclasses.is_dataclass(output):
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
         fields = {f.name: getattr(output, f.name) for f in dataclasses.fields(output)}
         return type(output)(**{**fields, **values})
     if isinstance(output, dict):
@@ -581,5 +586,6 @@ def _unwire(ref: weakref.ref[nn.Module], before: dict[int, Any], failed: bool) -
             del model.__dict__["forward"]  # the class's own forward again
         else:
             model.__dict__["forward"] = original
-    elif isinstance(getattr(forward, "original", None), SequenceShardedForward):
+    elif forward is not None and isinstance(getattr(forward, "original", None),
+                                            SequenceShardedForward):
         forward.original = forward.original.original  # inside the precision wrapper

@@ -316,5 +316,5 @@ def test_context_parallelism_is_imported(
     assert code == 0, out
     assert load_config(target) == {"strategy": "fsdp", "cp_size": 2}
     assert "parallelism_config.parallelism_config_cp_size: 2 -> cp_size = 2" in out
-    assert "parallelism_config.parallelism_config_cp_comm_strategy: allgather not imported: " \
+    assert "parallelism_config.parallelism_config_cp_comm_strategy: 'allgather' not imported: " \
            "accel has no such setting" in out
