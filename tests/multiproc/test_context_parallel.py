@@ -9,6 +9,7 @@ takes the same next step; the refusals (heads, sequence length, padding masks) a
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +70,19 @@ def test_llama_with_cp2_and_dp_shard2_equals_one_process() -> None:
     assert _one_process()["attn"] == "eager"
 
 
-def test_a_cp2_checkpoint_takes_the_same_next_step_on_one_process(tmp_path: Path) -> None:
+def test_a_cp2_checkpoint_takes_the_same_next_step_on_one_process(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from accel.cli.main import main
+
     saved = str(tmp_path / "cp2")
     run_distributed(cm.train, 2, saved, world_size=2, timeout=120, cp_size=2,
-                    dp_shard_size=1, strategy="fsdp")
+                    dp_shard_size=1, strategy="fsdp")  # FSDP over dp_shard x cp
+    capsys.readouterr()
+    assert main(["checkpoint", "inspect", saved, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mesh"]["sizes"] == {"dp_replicate": 1, "dp_shard": 1, "cp": 2, "tp": 1}
+    assert main(["checkpoint", "verify", saved]) == 0
     resumed = run_distributed(cm.train, 1, None, saved, cm.SEQ, 2, world_size=1,
                               timeout=120)[0]
     straight = _one_process()  # the same 3 steps without a break

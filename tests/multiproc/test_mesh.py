@@ -272,7 +272,8 @@ def test_inspect_shows_the_mesh_a_checkpoint_was_saved_on(
     checkpoint = str(saved["root"] / "tp2xfsdp2")
     assert main(["checkpoint", "inspect", checkpoint, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["mesh"]["sizes"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert report["mesh"]["sizes"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     assert main(["checkpoint", "inspect", checkpoint]) == 0
-    assert "mesh: 3-D (dp_replicate=1, dp_shard=2, tp=2) over 4 ranks" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "mesh: 4-D (dp_replicate=1, dp_shard=2, cp=1, tp=2) over 4 ranks" in shown
     assert main(["checkpoint", "verify", checkpoint]) == 0
