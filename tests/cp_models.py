@@ -32,6 +32,17 @@ def llama(heads: int = 8, kv_heads: int = 4) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
+def gpt2() -> nn.Module:
+    """A two-layer GPT-2 (learned positions, Conv1D layers, tied head) built locally."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                        attn_implementation="eager")
+    return GPT2LMHeadModel(config)
+
+
 def batches(steps: int = STEPS, seq: int = SEQ) -> list[dict[str, torch.Tensor]]:
     """Global batches: labels with some -100 targets (uneven over the sequence pieces)."""
     g = torch.Generator().manual_seed(1)
@@ -46,26 +57,29 @@ def batches(steps: int = STEPS, seq: int = SEQ) -> list[dict[str, torch.Tensor]]
 
 
 def train(steps: int = STEPS, save: str | None = None, load: str | None = None,
-          seq: int = SEQ, start: int = 0) -> dict[str, Any]:
+          seq: int = SEQ, start: int = 0, family: str = "llama") -> dict[str, Any]:
     """AdamW steps on this rank's share of global batches ``start..start+steps`` (the plain
     loop); optionally load before / save after."""
     st = accel.state()
-    model = accel.prepare_model(llama())
+    model = accel.prepare_model(gpt2() if family == "gpt2" else llama())
     optimizer = accel.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
     if load is not None:
         accel.load_state(load, model=model, optimizer=optimizer)
-    per_rank = BATCH // st.dp_world_size
     attn_in_block = accel.unwrap_model(model).config._attn_implementation
+    rows = [{k: v[i] for k, v in b.items()} for b in batches(start + steps, seq)[start:]
+            for i in range(BATCH)]  # samples as dicts: the loader collates dict batches
+    loader = accel.prepare_data_loader(
+        torch.utils.data.DataLoader(rows, batch_size=BATCH), split_batches=True)
     losses = []
-    for batch in batches(start + steps, seq)[start:]:
-        mine = {k: v[st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank] for k, v in batch.items()}
-        loss = model(**mine).loss
+    for batch in loader:  # this rank's rows of each global batch, whole sequences
+        loss = model(**batch).loss
         accel.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(accel.reduce(loss.detach(), reduction="mean")))
     if save is not None:
         accel.save_state(save, model=model, optimizer=optimizer)
+    per_rank = BATCH // st.dp_world_size
     with torch.no_grad():
         ids = batches(1, seq)[0]["input_ids"][st.dp_rank * per_rank:(st.dp_rank + 1) * per_rank]
         last = accel.gather_for_metrics(model(input_ids=ids).logits[:, -1])

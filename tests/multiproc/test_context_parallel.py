@@ -23,7 +23,8 @@ from tests import cp_models as cm
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                        reason="transformers not installed"),
-    pytest.mark.preload("transformers", "transformers.models.llama.modeling_llama"),
+    pytest.mark.preload("transformers", "transformers.models.llama.modeling_llama",
+                        "transformers.models.gpt2.modeling_gpt2"),
 ]
 _REFERENCE: dict[tuple[Any, ...], dict[str, Any]] = {}
 
@@ -59,6 +60,14 @@ def test_llama_with_cp2_equals_one_process() -> None:
     assert [o["mesh"] for o in out] == [(1, 1, 2, 1)] * 2
     assert out[1]["losses"] == out[0]["losses"]
     assert [o["attn"] for o in out] == ["accel_cp_alltoall"] * 2
+
+
+def test_gpt2_with_cp2_equals_one_process() -> None:
+    out = run_distributed(cm.train, cm.STEPS, None, None, cm.SEQ, 0, "gpt2", world_size=2,
+                          timeout=120, cp_size=2)
+    want = run_distributed(cm.train, cm.STEPS, None, None, cm.SEQ, 0, "gpt2", world_size=1,
+                           timeout=120)[0]
+    _assert_same(out[0], want)
 
 
 def test_llama_with_cp2_and_dp_shard2_equals_one_process() -> None:
