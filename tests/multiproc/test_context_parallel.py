@@ -1,7 +1,8 @@
 """Context parallelism (``cp_size``) on gloo ranks equals one process.
 
 The all-to-all attention equals full SDPA forward and backward (causal or not, grouped-query);
-a transformers Llama trained with cp2 (2 ranks) and cp2 x dp_shard2 (4 ranks) gives one
+a transformers Llama trained with cp2 (2 ranks) and cp2 x dp_shard2 (4 ranks), and a GPT-2 with
+cp2, give one
 process's losses, weights and predictions; a checkpoint saved at cp2 loads on one process and
 takes the same next step; the refusals (heads, sequence length, padding masks) are clear.
 """
