@@ -2,9 +2,9 @@
 
 The all-to-all attention equals full SDPA forward and backward (causal or not, grouped-query);
 a transformers Llama trained with cp2 (2 ranks) and cp2 x dp_shard2 (4 ranks), and a GPT-2 with
-cp2, give one
-process's losses, weights and predictions; a checkpoint saved at cp2 loads on one process and
-takes the same next step; the refusals (heads, sequence length, padding masks) are clear.
+cp2, give one process's losses, weights and predictions; a checkpoint saved at cp2 loads on one
+process and takes the same next step; the refusals (heads, sequence length, padding masks) are
+clear.
 """
 
 from __future__ import annotations
