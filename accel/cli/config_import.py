@@ -250,14 +250,15 @@ def _parallelism(
     for key, value in config.items():
         name = f"parallelism_config.{key}"
         size = str(key).removeprefix("parallelism_config_")
-        if size in ("dp_replicate_size", "dp_shard_size", "tp_size"):
+        if size == "cp_size" and value in (None, 1):
+            found.append(Outcome(name, value, "not needed", reason="no context parallelism"))
+        elif size in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
             settings[size] = _validated(size, value, f"{origin}: {name}")
             found.append(Outcome(name, value, "mapped", size, "", settings[size]))
-        elif size == "cp_size" and value in (None, 1):
-            found.append(Outcome(name, value, "not needed", reason="no context parallelism"))
         else:
             found.append(Outcome(name, value, "not imported", reason=(
-                "accel has no context or sequence parallelism (cp/sp sizes and backends)")))
+                "accel has no such setting (sp sizes and backends, the cp handler's ring "
+                "rotation): accel's `cp_method` chooses alltoall or ring attention")))
     return found
 
 

@@ -259,7 +259,8 @@ def gather_for_metrics(data: T, *, use_gather_object: bool = False) -> T:
     """
     refuse_gated("gather_for_metrics")  # on one process too, as on N
     st = state()
-    world, tp = st.world_size, st.tp_world_size
+    # The ranks of one context- and tensor-parallel group (neighbours) share their samples.
+    world, tp = st.world_size, st.world_size // st.dp_world_size
     final, remainder, ragged = _active_loader()
     as_objects = use_gather_object or first_non_tensor(data) is not None
     if world == 1:
@@ -267,7 +268,7 @@ def gather_for_metrics(data: T, *, use_gather_object: bool = False) -> T:
             return data
         return _trim_local(data, remainder, as_objects)  # type: ignore[no-any-return]
     if as_objects:
-        per_rank = gather_object(data)[::tp]  # a tensor-parallel group shares its samples
+        per_rank = gather_object(data)[::tp]  # a cp x tp group shares its samples
         if final is not None:
             return merge_gathered_objects(per_rank, final.real)  # type: ignore[no-any-return]
         merged = merge_gathered_objects(per_rank)

@@ -88,6 +88,7 @@ class LaunchEnv:
     dp_shard_size: int | None = None
     tp_size: int | None = None
     cp_size: int | None = None
+    cp_method: str | None = None
     config_file: str | None = None
 
 

@@ -20,8 +20,10 @@ from accel.errors import ConfigError, ConfigTypeError
 
 __all__ = [
     "BACKENDS",
+    "CpMethod",
     "COMM_HOOKS",
     "COMM_WRAPPERS",
+    "CP_METHODS",
     "DDP_CONFIG_KEYS",
     "DDP_HOOK_KEYS",
     "DDP_KEYWORDS",
@@ -55,6 +57,9 @@ __all__ = [
 
 MixedPrecision = Literal["no", "fp16", "bf16", "fp8"]
 Strategy = Literal["none", "ddp", "fsdp"]
+CpMethod = Literal["alltoall", "ring"]
+CP_METHODS: tuple[str, ...] = get_args(CpMethod)
+"""How attention is split under context parallelism: heads all-to-all, or torch's ring."""
 MIXED_PRECISION_MODES: tuple[str, ...] = get_args(MixedPrecision)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
@@ -278,8 +283,12 @@ SETTINGS: Mapping[str, Spec] = {
     ),
     "tp_size": Spec("int", "mesh: tensor-parallel degree", minimum=1, layer="policy"),
     "cp_size": Spec(
-        "int", "mesh: context-parallel degree (not available on CPU)", minimum=1,
+        "int", "mesh: context-parallel degree (processes that split each sequence)", minimum=1,
         layer="policy",
+    ),
+    "cp_method": Spec(
+        "choice", "context parallel attention: alltoall (any device) or ring (CUDA); default "
+        "ring on CUDA, else alltoall", choices=CP_METHODS, layer="policy",
     ),
     # DDP options (read by accel.prepare_model where it wraps a model in DDP)
     "find_unused_parameters": Spec(

@@ -129,10 +129,13 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     for size, what in (("dp_replicate", "data-parallel replicas (HSDP's replicate dim)"),
                        ("dp_shard", "processes each model is sharded over (FSDP)"),
                        ("tp", "tensor-parallel degree"),
-                       ("cp", "context-parallel degree (not available on CPU)")):
+                       ("cp", "context-parallel degree (processes that split each sequence)")):
         mesh.add_argument(f"--{size.replace('_', '-')}-size", f"--{size}_size",
                           f"--parallelism_config_{size}_size", dest=f"{size}_size", type=int,
                           metavar="N", help=what)
+    mesh.add_argument("--cp-method", "--cp_method", dest="cp_method", metavar="M",
+                      help="context parallel attention: alltoall (any device) or ring (CUDA); "
+                           "default ring on CUDA, else alltoall")
     policy.add_argument("--config-file", "--config_file", metavar="F",
                         help="config file (default: $ACCEL_CONFIG_FILE, else "
                              "~/.config/accel/config.toml)")
@@ -165,7 +168,7 @@ def command_line_settings(ns: argparse.Namespace) -> dict[str, object]:
         "debug": get("debug"),
         "timeout": get("timeout"),
         **{key: get(key) for key in ("dp_replicate_size", "dp_shard_size", "tp_size",
-                                     "cp_size")},
+                                     "cp_size", "cp_method")},
     }
     return {key: value for key, value in out.items() if value is not None}
 

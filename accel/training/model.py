@@ -212,6 +212,9 @@ def prepare_model(
             first; then FSDP over the data-parallel dims (``dp_shard``, HSDP with
             ``dp_replicate``), or replicas kept in sync over ``dp_replicate`` (FSDP2 with a
             shard size of 1).
+            Under ``accel.distributed(cp_size=...)`` a transformers model is wired for
+            context parallelism next (``accel.parallel.context_parallel``): its forward
+            takes the whole batch and each cp rank works on its piece of every sequence.
         **strategy_options: with ``strategy="fsdp"``: ``shard_modules`` (a module class, a
             class name, or an iterable of them), ``reshard_after_forward`` (default ``True``)
             and ``cpu_offload`` (default ``False``), overriding those of
@@ -256,11 +259,16 @@ def prepare_model(
     shard_modules = None
     _convert_modules(model, chosen, tp_plan, evaluation_mode)
     split = _split_tensor_parallel(model, tp_plan, device_placement)
+    if st.cp_world_size > 1:  # a transformers model's attention and forward split the sequence
+        from accel.parallel.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model)
     if split and chosen != "fsdp":
         # TP weights are DTensors, which DDP cannot sync: FSDP2 keeps the data-parallel
         # replicas in sync instead (a shard size of 1 when only dp_replicate is set).
         note_ignored(ddp_options(st.options, {}), "tensor parallelism")
-        chosen = "fsdp" if st.dp_world_size > 1 and not evaluation_mode else "none"
+        group = st.dp_world_size * st.cp_world_size  # cp ranks sync like data-parallel ones
+        chosen = "fsdp" if group > 1 and not evaluation_mode else "none"
         strategy_options = {}
     if chosen == "fsdp":
         from accel.parallel import fsdp  # torch.distributed.fsdp loads only for this strategy

@@ -302,7 +302,7 @@ def test_parallelism_config_and_activation_checkpointing_are_mapped(
            "true (the blocks FSDP shards)" in out
 
 
-def test_context_parallelism_is_not_imported(
+def test_context_parallelism_is_imported(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = _write(tmp_path, """\
@@ -314,9 +314,10 @@ def test_context_parallelism_is_not_imported(
     target = tmp_path / "accel.toml"
     code, out, _ = _import(capsys, str(source), "--config-file", str(target))
     assert code == 0, out
-    assert load_config(target) == {"strategy": "fsdp"}
-    assert "parallelism_config.parallelism_config_cp_size: 2 not imported: accel has no " \
-           "context or sequence parallelism" in out
+    assert load_config(target) == {"strategy": "fsdp", "cp_size": 2}
+    assert "parallelism_config.parallelism_config_cp_size: 2 -> cp_size = 2" in out
+    assert "parallelism_config.parallelism_config_cp_comm_strategy: 'allgather' not imported: " \
+           "accel has no such setting" in out
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ from torch import nn
 
 from accel._files.writer import PlannedFile
 from accel.checkpoint.objects import plan_object
+from accel.core.mesh import covered_dims
 from accel.core.state import state
 from accel.core.tree import dtensor_type, holds_dtensors, plain_tensor
 from accel.errors import AccelError, CheckpointArgumentError, CheckpointError
@@ -140,11 +141,13 @@ def _root_coordinate(root: Any) -> dict[str, int]:
 def _first_copy(mesh: Any, where_in_root: dict[str, int]) -> bool:
     """Whether this rank holds the first copy of a tensor on ``mesh``, a submesh of the block's
     mesh: coordinate 0 on every dim of the block's mesh that ``mesh`` lacks (e.g. ``tp`` for a
-    layer left whole under tensor parallelism, whose FSDP shards repeat on each TP rank)."""
+    layer left whole under tensor parallelism, whose FSDP shards repeat on each TP rank; a
+    flattened dim such as ``dp_shard_cp`` covers the dims it flattens)."""
     names = mesh.mesh_dim_names
-    if not names or not set(names) <= set(where_in_root):
+    covered = {dim for name in names or () for dim in covered_dims(name)}
+    if not names or not covered <= set(where_in_root):
         return True  # a mesh of the user's own: its pieces are all written
-    return all(c == 0 for name, c in where_in_root.items() if name not in names)
+    return all(c == 0 for name, c in where_in_root.items() if name not in covered)
 
 
 def _local_pieces(

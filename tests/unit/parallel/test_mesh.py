@@ -21,19 +21,22 @@ from tests import mesh_models as mm
 @pytest.mark.parametrize(
     ("world", "strategy", "sizes", "shape"),
     [
-        (4, None, {"tp_size": 2}, (2, 1, 2)),  # the rest replicates without fsdp
-        (4, "fsdp", {"tp_size": 2}, (1, 2, 2)),  # ... and shards under fsdp
-        (4, None, {"dp_shard_size": 2, "tp_size": 2}, (1, 2, 2)),
-        (4, None, {"dp_shard_size": 2}, (2, 2, 1)),  # HSDP: replicate takes what remains
-        (4, None, {"dp_replicate_size": 2, "dp_shard_size": 2}, (2, 2, 1)),
-        (4, None, {"tp_size": 4}, (1, 1, 4)),
-        (8, None, {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, (2, 2, 2)),
-        (4, "fsdp", {"dp_replicate_size": 2}, (2, 2, 1)),
-        (4, None, {"cp_size": 1}, (4, 1, 1)),
+        (4, None, {"tp_size": 2}, (2, 1, 1, 2)),  # the rest replicates without fsdp
+        (4, "fsdp", {"tp_size": 2}, (1, 2, 1, 2)),  # ... and shards under fsdp
+        (4, None, {"dp_shard_size": 2, "tp_size": 2}, (1, 2, 1, 2)),
+        (4, None, {"dp_shard_size": 2}, (2, 2, 1, 1)),  # HSDP: replicate takes what remains
+        (4, None, {"dp_replicate_size": 2, "dp_shard_size": 2}, (2, 2, 1, 1)),
+        (4, None, {"tp_size": 4}, (1, 1, 1, 4)),
+        (8, None, {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, (2, 2, 1, 2)),
+        (4, "fsdp", {"dp_replicate_size": 2}, (2, 2, 1, 1)),
+        (4, None, {"cp_size": 1}, (4, 1, 1, 1)),
+        (4, None, {"cp_size": 2}, (2, 1, 2, 1)),  # cp ranks: same batches, DDP average
+        (4, "fsdp", {"cp_size": 2}, (1, 2, 2, 1)),
+        (8, None, {"cp_size": 2, "dp_shard_size": 2, "tp_size": 2}, (1, 2, 2, 2)),
     ],
 )
 def test_one_unset_size_takes_what_remains(
-    world: int, strategy: str | None, sizes: dict[str, int], shape: tuple[int, int, int]
+    world: int, strategy: str | None, sizes: dict[str, int], shape: tuple[int, ...]
 ) -> None:
     got = mesh_shape(world, strategy, sizes)
     assert got is not None and got.sizes() == shape
@@ -57,7 +60,7 @@ def test_the_product_is_always_the_world_size(r: int, s: int, t: int, fsdp: bool
         assert shape is not None
         assert shape.dp_replicate * shape.dp_shard * shape.tp == world
         assert all(shape.sizes()[i] == v for i, k in enumerate(
-            ("dp_replicate_size", "dp_shard_size", "tp_size")) if (v := sizes.get(k)))
+            ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")) if (v := sizes.get(k)))
 
 
 @pytest.mark.parametrize(
@@ -69,7 +72,7 @@ def test_the_product_is_always_the_world_size(r: int, s: int, t: int, fsdp: bool
         (4, "ddp", {"dp_replicate_size": 2}, "multiply to 2, not the world size 4"),
         (4, None, {"dp_replicate_size": 2, "dp_shard_size": 1, "tp_size": 1},
          "dp_replicate_size=2, dp_shard_size=1, tp_size=1 (world_size=4) multiply to 2"),
-        (4, None, {"cp_size": 2}, "context parallelism is not available on CPU"),
+        (4, None, {"cp_size": 3}, "cp_size=3 (world_size=4) do not divide"),
         (4, None, {"tp_size": 0}, "tp_size=0 must be an integer >= 1"),
         (4, None, {"tp_size": True}, "tp_size=True must be an integer >= 1"),
     ],
@@ -88,13 +91,13 @@ def test_one_process_block_has_no_mesh_and_ranks_follow_the_sizes() -> None:
         assert (state.dp_rank, state.dp_world_size, state.tp_rank, state.tp_world_size) == (
             0, 1, 0, 1)
     with accel.distributed(tp_size=1, dp_shard_size=1) as state:
-        assert state.mesh_shape == (1, 1, 1) and state.mesh is None
+        assert state.mesh_shape == (1, 1, 1, 1) and state.mesh is None
         with pytest.raises(ConfigError, match="the mesh is made once"), accel.distributed(
             tp_size=2
         ):
             pass
         with accel.distributed(tp_size=1) as inner:  # the same size: accepted
-            assert inner.mesh_shape == (1, 1, 1)
+            assert inner.mesh_shape == (1, 1, 1, 1)
 
 
 def test_sizes_come_from_the_environment_and_the_launcher(
@@ -173,5 +176,5 @@ def test_auto_takes_a_transformers_models_own_plan() -> None:
 
 
 def test_mesh_shape_properties() -> None:
-    shape = MeshShape(2, 2, 2)
-    assert shape.dp_size == 4 and shape.sizes() == (2, 2, 2)
+    shape = MeshShape(2, 2, 1, 2)
+    assert shape.dp_size == 4 and shape.sizes() == (2, 2, 1, 2)
