@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from accel.core.state import state
-from accel.errors import ConfigError
+from accel.errors import ArgumentTypeError, ConfigError
 
 __all__ = [
     "ATTENTION_NAMES",
@@ -472,7 +472,10 @@ class SequenceShardedForward:
         named = dict(zip(self.parameters, args, strict=False))
         clash = set(named) & set(kwargs)
         if clash:
-            raise TypeError(f"forward() got multiple values for {sorted(clash)}")
+            raise ArgumentTypeError(
+                f"forward() got multiple values for {sorted(clash)}: pass each argument once, "
+                "by position or by name."
+            )
         batch = _shard({**named, **kwargs}, self.plan)
         shift = batch.pop("shift_labels", None)
         count = batch.pop("num_items_in_batch", None)
