@@ -115,7 +115,7 @@ def main() -> None:
         loader = accel.prepare_data_loader(
             DataLoader(corpus(), batch_size=args.batch_size, shuffle=True), split_batches=True
         )
-        accel.print(f"mesh (pp, dp_replicate, dp_shard, tp) = {st.mesh_shape}, "
+        accel.print(f"mesh (pp, dp_replicate, dp_shard, cp, tp) = {st.mesh_shape}, "
                     f"{st.world_size} processes")
         step = 0
         while step < args.steps:

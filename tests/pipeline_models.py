@@ -200,3 +200,35 @@ def train_checkpointed(schedule: str) -> dict[str, Any]:
 def train_prepared_together() -> dict[str, Any]:
     """:func:`train` through ``accel.prepare(model, optimizer)`` (pp_plan "auto", 1F1B)."""
     return train("stack", together=True)
+
+
+def refused_with_cp() -> dict[str, Any]:
+    """Where a rank stands on a pp x cp mesh, and ``prepare_model``'s refusal of the pair."""
+    from accel.errors import ConfigError
+
+    st = accel.state()
+    try:
+        accel.prepare_model(Stack(), pp_plan="auto")
+        said = "not refused"
+    except ConfigError as error:
+        said = str(error)
+    return {"mesh": st.mesh_shape, "dims": st.mesh.mesh_dim_names, "said": said,
+            "ranks": (st.pp_rank, st.dp_rank, st.cp_rank, st.tp_rank),
+            "sizes": (st.pp_world_size, st.dp_world_size, st.cp_world_size)}
+
+
+def fp8_stages() -> dict[str, Any]:
+    """Two steps of a 16-wide stack under fp8: which layers each stage converted."""
+    torch.manual_seed(0)
+    model = accel.prepare_model(Stack(width=16), pp_plan="auto", microbatches=2)
+    optimizer = accel.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    x, y = data()
+    losses = []
+    for step in range(2):
+        loss = accel.pipeline_step(model, x[step * 8:step * 8 + 8], y[step * 8:step * 8 + 8],
+                                   loss_fn=nn.functional.mse_loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return {"float8": sorted(name for name, m in model.named_modules()
+                             if type(m).__name__ == "Float8Linear"), "losses": losses}

@@ -189,6 +189,46 @@ def _fsdp(config: Any) -> list[Outcome]:
     return found
 
 
+_FP8_BACKENDS = {"AO": "torchao", "TE": "Transformer Engine", "MSAMP": "MS-AMP"}
+_FP8_REASONS = {
+    "enable_fsdp_float8_all_gather": "accel turns torchao's float8 all-gather on itself under "
+    "FSDP2 with the tensorwise recipe",
+    "pad_inner_dim": "no config key: pass `fp8_recipe=Float8LinearConfig(pad_inner_dim=True)` "
+    "to accel.distributed()",
+}
+
+
+def _fp8(config: Any, origin: str, settings: dict[str, object]) -> list[Outcome]:
+    """``fp8_config``: every backend becomes torchao's float8 training (``fp8_recipe``)."""
+    if not isinstance(config, Mapping):
+        return [Outcome("fp8_config", config, "not imported", reason="not a mapping")]
+    found = []
+    for key, value in config.items():
+        name = f"fp8_config.{key}"
+        if key == "backend":
+            backend = str(value).upper()
+            used = _FP8_BACKENDS.get(backend)
+            if used is None:
+                found.append(Outcome(name, value, "not imported", reason=(
+                    f"not an Accelerate fp8 backend ({'/'.join(_FP8_BACKENDS)})")))
+                continue
+            settings["fp8_recipe"] = _validated("fp8_recipe", "tensorwise", f"{origin}: {name}")
+            reason = ("torchao's tensorwise recipe, as Accelerate's AO default" if backend == "AO"
+                      else f"accel uses torchao's float8 training, not {used}: the tensorwise "
+                      "recipe (delayed-scaling options do not apply)")
+            found.append(Outcome(name, value, "mapped", "fp8_recipe", reason, "tensorwise"))
+        elif key in _FP8_REASONS:
+            status = "not needed" if key == "enable_fsdp_float8_all_gather" else "not imported"
+            if key == "pad_inner_dim" and not value:
+                status = "not needed"
+            found.append(Outcome(name, value, status, reason=_FP8_REASONS[str(key)]))
+        else:
+            found.append(Outcome(name, value, "not imported", reason=(
+                "a Transformer Engine / MS-AMP option: torchao's float8 training scales "
+                "dynamically (no amax history, margin or optimization level)")))
+    return found
+
+
 def _validated(accel_key: str, value: Any, where: str) -> object:
     """``validate_setting``, refusing first a value too long for any setting (the error
     message would quote it whole)."""
@@ -210,14 +250,15 @@ def _parallelism(
     for key, value in config.items():
         name = f"parallelism_config.{key}"
         size = str(key).removeprefix("parallelism_config_")
-        if size in ("dp_replicate_size", "dp_shard_size", "tp_size"):
+        if size == "cp_size" and value in (None, 1):
+            found.append(Outcome(name, value, "not needed", reason="no context parallelism"))
+        elif size in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
             settings[size] = _validated(size, value, f"{origin}: {name}")
             found.append(Outcome(name, value, "mapped", size, "", settings[size]))
-        elif size == "cp_size" and value in (None, 1):
-            found.append(Outcome(name, value, "not needed", reason="no context parallelism"))
         else:
             found.append(Outcome(name, value, "not imported", reason=(
-                "accel has no context or sequence parallelism (cp/sp sizes and backends)")))
+                "accel has no such setting (sp sizes and backends, the cp handler's ring "
+                "rotation): accel's `cp_method` chooses alltoall or ring attention")))
     return found
 
 
@@ -236,7 +277,6 @@ def _other(key: str, value: Any) -> Outcome:
         "with the dynamo options",
         "dynamo_backend": "no config key: pass `accel.prepare_model(model, compile={'backend': "
         "...})`",
-        "fp8_config": "accel has no fp8 backend (mixed_precision='fp8' runs as bf16)",
         "deepspeed_config": "accel has no DeepSpeed integration; use DDP or FSDP",
         "megatron_lm_config": "accel has no Megatron-LM integration",
         "parallelism_config": "not a mapping of parallelism_config_* sizes",
@@ -301,7 +341,8 @@ def map_keys(data: Mapping[str, Any], origin: str) -> tuple[dict[str, object], l
             if value is None:
                 outcomes.append(Outcome(key, value, "not needed", reason="none asked for"))
             else:
-                note = "fp8 runs as bf16 autocast" if str(value).lower() == "fp8" else ""
+                note = ("torchao float8 training (accel[fp8])" if str(value).lower() == "fp8"
+                        else "")
                 setting(key, str(value), "mixed_precision", note)
         elif key == "fp16":
             if value:
@@ -318,6 +359,9 @@ def map_keys(data: Mapping[str, Any], origin: str) -> tuple[dict[str, object], l
                 outcomes.append(Outcome(
                     "fsdp_config.fsdp_activation_checkpointing", True, "mapped",
                     "activation_checkpointing", "the blocks FSDP shards", True))
+        elif key == "fp8_config":
+            outcomes += _fp8(value, origin, settings) if value else [
+                Outcome(key, value, "not needed", reason="empty")]
         elif key == "parallelism_config" and isinstance(value, Mapping):
             outcomes += _parallelism(value, origin, settings)
         else:

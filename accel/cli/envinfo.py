@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import platform
 import sys
 from collections.abc import Mapping
@@ -9,10 +10,21 @@ from pathlib import Path
 from typing import Any
 
 from accel.core.env import environ_snapshot
-from accel.core.settings import BACKENDS, FP8_NOTE, cpu_count
+from accel.core.settings import BACKENDS, cpu_count
 from accel.launch.config import Resolved
 
-__all__ = ["collect_env_info", "format_env_info", "relevant_variables"]
+__all__ = ["FP8_TORCHAO_NOTE", "collect_env_info", "format_env_info", "relevant_variables"]
+
+FP8_TORCHAO_NOTE = (
+    "mixed_precision='fp8' needs torchao, which is not installed: "
+    "`pip install 'accel[fp8]'` (prepare_model raises a ConfigError without it)."
+)
+"""What ``accel env`` notes under fp8 when torchao cannot be found."""
+
+
+def _has_torchao() -> bool:
+    """Whether torchao is installed (found, not imported)."""
+    return importlib.util.find_spec("torchao") is not None
 
 _PREFIXES = ("ACCEL_", "MASTER_", "NCCL_", "TORCH_", "TORCHELASTIC_", "PYTORCH_", "PET_",
              "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NNODES", "SLURM_LOCALID", "OMPI_COMM_WORLD_")
@@ -95,7 +107,7 @@ def collect_env_info(
                      for key, item in settings.items()},
         "environment": relevant_variables(environ_snapshot()),
         "notes": [
-            *([FP8_NOTE] if mixed_precision == "fp8" else []),
+            *([FP8_TORCHAO_NOTE] if mixed_precision == "fp8" and not _has_torchao() else []),
             *([FSDP_BLOCKS_NOTE] if strategy == "fsdp" else []),
         ],
     }

@@ -90,20 +90,23 @@ def _pad_rows(rows: int, tensor: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _dp_rows(world: int, tp: int, gathered: torch.Tensor) -> torch.Tensor:
+def _dp_rows(world: int, tp: int, span: int, gathered: torch.Tensor) -> torch.Tensor:
     """Of a tensor gathered from ``world`` ranks, the parts of each tensor-parallel group's
-    first rank (the others hold the same samples)."""
-    return gathered.reshape(world, -1, *gathered.shape[1:])[::tp].reshape(
+    first rank among the first ``span`` ranks (the others hold the same samples)."""
+    return gathered.reshape(world, -1, *gathered.shape[1:])[:span:tp].reshape(
         -1, *gathered.shape[1:]
     )
 
 
-def _gather_ragged(data: T, world: int, real: tuple[int, ...] | None, tp: int = 1) -> T:
+def _gather_ragged(
+    data: T, world: int, real: tuple[int, ...] | None, tp: int = 1, span: int | None = None
+) -> T:
     """Gather tensors whose first dimension differs between ranks, keeping real rows only.
 
     Two collectives: the sizes of every leaf on every rank, then the leaves padded to the
     longest. Rank ``r``'s rows are cut to its size (and to ``real[r // tp]`` when given); of
-    each tensor-parallel group of ``tp`` ranks only the first one's rows are kept.
+    each tensor-parallel group of ``tp`` ranks only the first one's rows are kept, of the first
+    ``span`` ranks (one pipeline stage's) when given.
     """
     leaves = tensor_leaves(data)
     if not leaves:
@@ -120,7 +123,7 @@ def _gather_ragged(data: T, world: int, real: tuple[int, ...] | None, tp: int = 
         j = next(position)
         if original.ndim == 0:
             return merged
-        ranks = range(0, world, tp)
+        ranks = range(0, world if span is None else span, tp)
         keep = [sizes[r][j] if real is None else min(sizes[r][j], real[r // tp]) for r in ranks]
         return torch.cat(
             [merged[r * longest[j] : r * longest[j] + n] for r, n in zip(ranks, keep, strict=True)]
@@ -259,7 +262,10 @@ def gather_for_metrics(data: T, *, use_gather_object: bool = False) -> T:
     """
     refuse_gated("gather_for_metrics")  # on one process too, as on N
     st = state()
-    world, tp = st.world_size, st.tp_world_size
+    # The ranks of one context- and tensor-parallel group (neighbours) share their samples,
+    # and so do the pipeline stages: the first stage's ranks hold each sample once.
+    world, tp = st.world_size, st.cp_world_size * st.tp_world_size
+    span = world // st.pp_world_size
     final, remainder, ragged = _active_loader()
     as_objects = use_gather_object or first_non_tensor(data) is not None
     if world == 1:
@@ -267,7 +273,7 @@ def gather_for_metrics(data: T, *, use_gather_object: bool = False) -> T:
             return data
         return _trim_local(data, remainder, as_objects)  # type: ignore[no-any-return]
     if as_objects:
-        per_rank = gather_object(data)[::tp]  # a tensor-parallel group shares its samples
+        per_rank = gather_object(data)[:span:tp]  # a cp x tp group shares its samples
         if final is not None:
             return merge_gathered_objects(per_rank, final.real)  # type: ignore[no-any-return]
         merged = merge_gathered_objects(per_rank)
@@ -275,10 +281,10 @@ def gather_for_metrics(data: T, *, use_gather_object: bool = False) -> T:
             return merged[:remainder]  # type: ignore[return-value]
         return merged  # type: ignore[no-any-return]
     if ragged or (final is not None and final.ragged):
-        return _gather_ragged(data, world, None if final is None else final.real, tp)
+        return _gather_ragged(data, world, None if final is None else final.real, tp, span)
     gathered = gather(data)
-    if tp > 1:  # keep each sample once: one rank per tensor-parallel group
-        gathered = map_tensors(partial(_dp_rows, world, tp), gathered)
+    if tp > 1 or span < world:  # each sample once: one rank per cp x tp group, one stage
+        gathered = map_tensors(partial(_dp_rows, world, tp, span), gathered)
     if (final is None and remainder < 0) or (final is not None and not final.padded):
         return gathered
     return trim_gathered(data, gathered, final, prefix=remainder)

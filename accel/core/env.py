@@ -89,6 +89,7 @@ class LaunchEnv:
     tp_size: int | None = None
     cp_size: int | None = None
     pp_size: int | None = None
+    cp_method: str | None = None
     config_file: str | None = None
 
 

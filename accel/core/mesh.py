@@ -1,19 +1,21 @@
-"""N-D device meshes: how the processes split into pipeline, data-parallel and tensor-parallel
-groups.
+"""N-D device meshes: how the processes split into pipeline, data-parallel, context-parallel
+and tensor-parallel groups.
 
-``accel.distributed(pp_size=, dp_replicate_size=, dp_shard_size=, tp_size=, cp_size=)`` (or the
+``accel.distributed(pp_size=, dp_replicate_size=, dp_shard_size=, cp_size=, tp_size=)`` (or the
 same ``ACCEL_*`` variables, config keys and ``accel launch`` flags) lays the ``world_size``
 processes out on a torch ``DeviceMesh`` with the named dimensions
-``("pp", "dp_replicate", "dp_shard", "tp")``, made once per block with ``init_device_mesh``. The
-tensor-parallel dimension is the innermost (neighbouring ranks, the fastest links), the
-pipeline dimension ``pp`` the outermost (stages talk once per microbatch, point to point).
-:func:`mesh_shape` decides the sizes; :func:`build_mesh` makes the mesh; :func:`dp_mesh`,
-:func:`tp_mesh` and :func:`pp_mesh` give the submeshes ``fully_shard``, ``parallelize_module``
-and the pipeline stages run on.
+``("pp", "dp_replicate", "dp_shard", "cp", "tp")``, made once per block with
+``init_device_mesh``. The tensor-parallel dimension is the innermost (neighbouring ranks, the
+fastest links), the pipeline dimension ``pp`` the outermost (stages talk once per microbatch,
+point to point). :func:`mesh_shape` decides the sizes; :func:`build_mesh` makes the mesh;
+:func:`dp_mesh`, :func:`cp_mesh`, :func:`tp_mesh` and :func:`pp_mesh` give the submeshes
+``fully_shard``, context parallelism, ``parallelize_module`` and the pipeline stages run on. As
+in torchtitan, the ``cp`` ranks join the FSDP group: ``dp_mesh`` flattens ``dp_shard`` x ``cp``
+into one dim (:data:`FLATTENED`), since context parallelism shards activations only.
 
 Example:
     >>> mesh_shape(4, "fsdp", {"tp_size": 2})
-    MeshShape(dp_replicate=1, dp_shard=2, tp=2, pp=1)
+    MeshShape(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1)
 """
 
 from __future__ import annotations
@@ -29,13 +31,25 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "DIMS", "SIZE_KEYS", "MeshShape", "build_mesh", "dp_mesh", "mesh_shape", "pp_mesh", "tp_mesh",
+    "DIMS",
+    "FLATTENED",
+    "SIZE_KEYS",
+    "MeshShape",
+    "build_mesh",
+    "covered_dims",
+    "cp_mesh",
+    "dp_mesh",
+    "mesh_shape",
+    "pp_mesh",
+    "tp_mesh",
 ]
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """The mesh's dimension names, outermost first."""
-SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "pp_size")
-"""The ``distributed()`` options (and config keys) that size the mesh."""
+SIZE_KEYS = ("pp_size", "dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")
+"""The ``distributed()`` options (and config keys) that size the mesh, in :data:`DIMS` order."""
+FLATTENED = {"dp_shard_cp": ("dp_shard", "cp")}
+"""Dims :func:`dp_mesh` makes by flattening others: the FSDP group under context parallelism."""
 
 
 @attrs.frozen
@@ -43,12 +57,13 @@ class MeshShape:
     """The size of each mesh dimension; their product is the world size.
 
     Example:
-        >>> MeshShape(2, 1, 2, pp=2).dp_size
+        >>> MeshShape(2, 1, 1, 2, pp=2).dp_size
         2
     """
 
     dp_replicate: int
     dp_shard: int
+    cp: int
     tp: int
     pp: int = 1
 
@@ -57,9 +72,9 @@ class MeshShape:
         """Processes that see different batches (``dp_replicate * dp_shard``)."""
         return self.dp_replicate * self.dp_shard
 
-    def sizes(self) -> tuple[int, int, int, int]:
-        """The sizes in :data:`DIMS` order: ``(pp, dp_replicate, dp_shard, tp)``."""
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+    def sizes(self) -> tuple[int, int, int, int, int]:
+        """The sizes in :data:`DIMS` order: ``(pp, dp_replicate, dp_shard, cp, tp)``."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
 
 def _size(key: str, value: object) -> int | None:
@@ -84,17 +99,16 @@ def mesh_shape(
     """The mesh for ``sizes`` (the options of :data:`SIZE_KEYS`), or ``None`` when none is set.
 
     One size left unset takes what the others leave: ``dp_shard_size`` under
-    ``strategy="fsdp"``, else ``dp_replicate_size``; the others (``tp_size``, ``pp_size``)
-    default to 1.
+    ``strategy="fsdp"``, else ``dp_replicate_size``; the others (``pp_size``, ``cp_size``,
+    ``tp_size``) default to 1.
 
     Raises:
         ConfigError: a size that is not an integer >= 1, sizes whose product is not the world
-            size (naming every size), ``cp_size > 1`` (context parallelism needs CUDA
-            attention kernels), or ``dp_shard_size > 1`` with a strategy other than fsdp.
+            size (naming every size), or ``dp_shard_size > 1`` with a strategy other than fsdp.
 
     Example:
         >>> mesh_shape(4, None, {"dp_replicate_size": 2, "tp_size": 2})
-        MeshShape(dp_replicate=2, dp_shard=1, tp=2, pp=1)
+        MeshShape(dp_replicate=2, dp_shard=1, cp=1, tp=2, pp=1)
     """
     checked = {key: _size(key, sizes.get(key)) for key in SIZE_KEYS}
     unknown = sorted(set(sizes) - set(SIZE_KEYS))
@@ -102,32 +116,22 @@ def mesh_shape(
         raise ConfigError(f"Unknown mesh size option(s) {unknown}; the sizes are {SIZE_KEYS}.")
     if all(v is None for v in checked.values()):
         return None
-    cp = checked.pop("cp_size")
-    if cp is not None and cp > 1:
-        where = "on CPU" if device_type == "cpu" else "in accel yet"
-        raise ConfigError(
-            f"cp_size={cp}: context parallelism is not available {where} (it needs CUDA "
-            "attention kernels and ring attention, which accel does not provide). Leave "
-            "cp_size unset or 1, and use dp_shard_size / tp_size to split the work."
-        )
-    pp = checked.pop("pp_size")
-    named = {**checked, "cp_size": cp, "pp_size": pp}
-    replicate, shard, tp = (checked["dp_replicate_size"], checked["dp_shard_size"],
-                            checked["tp_size"])
+    pp, replicate, shard, cp, tp = (checked["pp_size"], checked["dp_replicate_size"],
+                                    checked["dp_shard_size"], checked["cp_size"],
+                                    checked["tp_size"])
     if shard is not None and shard > 1 and strategy not in (None, "fsdp"):
         raise ConfigError(
             f"dp_shard_size={shard} shards parameters with FSDP, but strategy={strategy!r}. "
             "Use `strategy='fsdp'` (or leave it unset), or set dp_replicate_size instead."
         )
-    known = [v for v in (replicate, shard, tp, pp) if v is not None]
+    known = [v for v in (pp, replicate, shard, cp, tp) if v is not None]
     product = 1
     for value in known:
         product *= value
     if world_size % product:
         divisor = max(d for d in range(1, (tp or 1) + 1) if world_size % d == 0)
         raise ConfigError(
-            f"The mesh sizes {_spelled(named, world_size)} "
-            "do not divide "
+            f"The mesh sizes {_spelled(checked, world_size)} do not divide "
             f"the {world_size} processes (their product is {product}). Choose sizes whose "
             f"product divides {world_size}, e.g. `accel.distributed(tp_size={divisor})` with "
             "the data-parallel size left unset to take what remains."
@@ -135,21 +139,23 @@ def mesh_shape(
     fsdp = strategy == "fsdp" or (shard is not None and shard > 1)
     tp = 1 if tp is None else tp
     pp = 1 if pp is None else pp
-    inner = world_size // pp  # the processes of one pipeline stage
+    cp = 1 if cp is None else cp
+    inner = cp * tp
+    stage = world_size // pp  # the processes of one pipeline stage
     if replicate is None and shard is None:
-        replicate, shard = (1, inner // tp) if fsdp else (inner // tp, 1)
+        replicate, shard = (1, stage // inner) if fsdp else (stage // inner, 1)
     elif shard is None:
         assert replicate is not None
-        shard = inner // (replicate * tp) if fsdp else 1
+        shard = stage // (replicate * inner) if fsdp else 1
     elif replicate is None:
-        replicate = inner // (shard * tp)
+        replicate = stage // (shard * inner)
     assert replicate is not None
     assert shard is not None
-    shape = MeshShape(replicate, shard, tp, pp=pp)
-    if shape.dp_size * tp * pp != world_size:
+    shape = MeshShape(replicate, shard, cp, tp, pp=pp)
+    if shape.dp_size * inner * pp != world_size:
         raise ConfigError(
-            f"The mesh sizes {_spelled(named, world_size)} "
-            f"multiply to {shape.dp_size * tp * pp}, not the world size {world_size}"
+            f"The mesh sizes {_spelled(checked, world_size)} multiply to "
+            f"{shape.dp_size * inner * pp}, not the world size {world_size}"
             f"{'' if fsdp else ' (dp_shard_size is 1 unless strategy is fsdp)'}. Leave "
             "dp_replicate_size or dp_shard_size unset to take what remains, or make the "
             "product of the sizes the world size."
@@ -161,9 +167,9 @@ def build_mesh(device_type: str, shape: MeshShape) -> DeviceMesh:
     """The job's DeviceMesh with dimensions :data:`DIMS` (every rank must call it).
 
     Example:
-        >>> mesh = build_mesh("cpu", MeshShape(1, 2, 2))
+        >>> mesh = build_mesh("cpu", MeshShape(1, 2, 1, 2))
         >>> mesh.mesh_dim_names
-        ('pp', 'dp_replicate', 'dp_shard', 'tp')
+        ('pp', 'dp_replicate', 'dp_shard', 'cp', 'tp')
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -171,18 +177,45 @@ def build_mesh(device_type: str, shape: MeshShape) -> DeviceMesh:
 
 
 def dp_mesh(mesh: Any) -> DeviceMesh:
-    """The data-parallel submesh: ``("dp_replicate", "dp_shard")`` for HSDP, else ``dp_shard``.
+    """The data-parallel submesh FSDP runs on: ``dp_shard`` (flattened with ``cp`` into
+    ``dp_shard_cp`` when ``cp`` > 1), with ``dp_replicate`` before it for HSDP.
 
     A 2-D result is what ``fully_shard`` takes for HSDP (replicate across the first dimension,
-    shard within the second).
+    shard within the second). Context-parallel ranks hold the same weights and see the same
+    batch (each a piece of its sequence), so they shard the weights and average the gradients
+    with the data-parallel ranks, as torchtitan does.
 
     Example:
         >>> dp_mesh(accel.state().mesh).mesh_dim_names
         ('dp_shard',)
     """
+    shard = "dp_shard"
+    if mesh["cp"].size() > 1:
+        shard = "dp_shard_cp"
+        mesh["dp_shard", "cp"]._flatten(shard)
     if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]  # type: ignore[no-any-return]
-    return mesh["dp_shard"]  # type: ignore[no-any-return]
+        return mesh["dp_replicate", shard]  # type: ignore[no-any-return]
+    return mesh[shard]  # type: ignore[no-any-return]
+
+
+def cp_mesh(mesh: Any) -> DeviceMesh:
+    """The context-parallel submesh (the ranks that split one sequence).
+
+    Example:
+        >>> cp_mesh(accel.state().mesh).size()
+        2
+    """
+    return mesh["cp"]  # type: ignore[no-any-return]
+
+
+def covered_dims(name: str) -> tuple[str, ...]:
+    """The block mesh's dims a submesh dim stands for (itself, or those it flattens).
+
+    Example:
+        >>> covered_dims("dp_shard_cp")
+        ('dp_shard', 'cp')
+    """
+    return FLATTENED.get(name, (name,))
 
 
 def tp_mesh(mesh: Any) -> DeviceMesh:

@@ -19,10 +19,12 @@ from accel.core.scope import Scope, run_exit_steps
 from accel.core.seeding import set_seed
 from accel.core.settings import (
     BACKENDS,
+    CP_METHODS,
     DDP_CONFIG_KEYS,
     DEFAULT_PORT,
     MODEL_KEYS,
     POLICY_KEYS,
+    CpMethod,
     env_variable,
     validate_setting,
 )
@@ -141,6 +143,7 @@ def distributed(
     tp_size: int | None = None,
     cp_size: int | None = None,
     pp_size: int | None = None,
+    cp_method: str | None = None,
     **options: Any,
 ) -> Iterator[ProcessState]:
     """Set up distributed training for the block and yield the process state.
@@ -156,10 +159,10 @@ def distributed(
 
     Args:
         backend: torch.distributed backend; default nccl on CUDA, gloo on CPU.
-        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (which runs as bf16
-            autocast for now: the first feature that uses it, e.g. ``prepare_model`` or
-            ``accel.autocast()``, warns so, once per process). Checked here; what each mode
-            does is its unit's, in ``accel.precision``.
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (torchao's float8
+            training of the ``nn.Linear`` layers, bf16 autocast around them; needs the extra
+            ``accel[fp8]``; recipe ``fp8_recipe=`` below). Checked here; what each mode does
+            is its unit's, in ``accel.precision``.
         gradient_accumulation_steps: optimizer steps happen every this many batches.
         strategy: ``"none"``, ``"ddp"`` or ``"fsdp"``; default ddp with several processes.
         cpu: run on the CPU even when CUDA is available.
@@ -177,14 +180,23 @@ def distributed(
             ``strategy="fsdp"`` when > 1).
         tp_size: tensor-parallel degree (``prepare_model(tp_plan=...)`` splits layers over
             it). With any of the sizes set the block gets a DeviceMesh (``state().mesh``,
-            dims ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``); one size left unset takes
-            what remains (see ``docs/parallelism.md``).
-        cp_size: context-parallel degree; > 1 is a ``ConfigError`` (not available).
+            dims ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``); one size left unset
+            takes what remains (see ``docs/parallelism.md``).
+        cp_size: context-parallel degree: the processes that split each sequence (the
+            ``cp`` mesh dim; see ``accel.parallel.context_parallel``). They see the same
+            batches and join the FSDP group (``dp_shard`` x ``cp``) or the DDP average.
+        cp_method: how attention is split under ``cp_size > 1``: ``"alltoall"`` (attention
+            heads exchanged, any device and backend) or ``"ring"`` (torch's ring attention,
+            CUDA only); default ``"ring"`` on CUDA, else ``"alltoall"``.
         pp_size: pipeline stages (the mesh's outermost dim): ``prepare_model(pp_plan=...)``
             splits the model over them and ``accel.pipeline_step`` trains it.
         **options: DDP and FSDP options, and ``activation_checkpointing`` (also
             ``ACCEL_ACTIVATION_CHECKPOINTING`` and the config key), the default of every
-            ``prepare_model`` in the block; readable as ``accel.state().options``.
+            ``prepare_model`` in the block; under fp8 ``fp8_recipe`` (``"tensorwise"``, the
+            default, ``"rowwise"`` or a torchao ``Float8LinearConfig``; also
+            ``ACCEL_FP8_RECIPE``, the config key and ``accel launch --fp8_recipe``) and
+            ``fp8_module_filter`` (``fn(module, name) -> bool``: the layers to convert).
+            Readable as ``accel.state().options``.
 
     Raises:
         ConfigError: an option or launch variable is invalid.
@@ -206,8 +218,16 @@ def distributed(
         "timeout": timeout_s,
     }
     sizes = {"dp_replicate_size": dp_replicate_size, "dp_shard_size": dp_shard_size,
-             "tp_size": tp_size, "cp_size": cp_size, "pp_size": pp_size}
+             "cp_size": cp_size, "tp_size": tp_size, "pp_size": pp_size}
+    if cp_method is not None:
+        _check_cp_method(cp_method, "cp_method")
     if has_active_state():
+        if cp_method is not None and cp_method != state().cp_method:
+            raise ConfigError(
+                f"accel.distributed(cp_method={cp_method!r}) inside a block whose cp_method is "
+                f"{state().cp_method!r}: it is chosen once, with the mesh, by the outermost "
+                "block. Pass it there."
+            )
         yield from _nested_block(
             sizes, changes, options, backend=backend, cpu=cpu, seed=seed,
             on_each_node=on_each_node,
@@ -216,6 +236,8 @@ def distributed(
     env, file_options = _with_config_file(read_launch_env())
     options = {**file_options, **options}  # distributed(**options) wins over the file
     process = _find_process(env, backend, cpu or bool(env.cpu))
+    if cp_method is not None:
+        env = attrs.evolve(env, cp_method=cp_method)
     current, created = _start(
         env, process, sizes, changes, seed=seed, on_each_node=on_each_node, options=options
     )
@@ -269,6 +291,7 @@ def _start(
     )
     if shape is not None and shape.dp_shard > 1 and changes["strategy"] is None:
         changes = {**changes, "strategy": "fsdp"}
+    method = _cp_method(env.cp_method, device) if shape is not None and shape.cp > 1 else None
     policy = resolve_policy(env, world_size=world, **changes)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -292,9 +315,38 @@ def _start(
         options=options,
         mesh_shape=None if shape is None else shape.sizes(),
         mesh=mesh,
+        cp_method=method,
         **policy,
     )
     return current, created
+
+
+def _check_cp_method(method: object, where: str) -> CpMethod:
+    if method not in CP_METHODS:
+        raise ConfigError(
+            f"{where}={method!r} is not a context parallel method; choose one of "
+            f"{list(CP_METHODS)}, e.g. `accel.distributed(cp_size=2, cp_method='alltoall')`."
+        )
+    return method  # type: ignore[return-value]
+
+
+def _cp_method(given: str | None, device: torch.device) -> CpMethod:
+    """The context parallel method: the one given, else ring on CUDA and alltoall elsewhere.
+
+    Raises:
+        ConfigError: an unknown method, or ``"ring"`` off CUDA.
+    """
+    if given is None:
+        return "ring" if device.type == "cuda" else "alltoall"
+    method = _check_cp_method(given, "cp_method")
+    if method == "ring" and device.type != "cuda":
+        raise ConfigError(
+            f"cp_method='ring' on {device.type!r}: torch's ring attention (`context_parallel`) "
+            "needs CUDA attention kernels (flash / memory-efficient SDPA), which this device "
+            "lacks. Use `cp_method='alltoall'` (attention heads exchanged, runs anywhere, "
+            "gloo included), or run on CUDA."
+        )
+    return method
 
 
 def _run_block(current: ProcessState, created: bool, seed: int | None) -> Iterator[ProcessState]:
@@ -321,23 +373,22 @@ def _run_block(current: ProcessState, created: bool, seed: int | None) -> Iterat
 _NAMED = (
     "backend", "mixed_precision", "gradient_accumulation_steps", "strategy", "cpu", "timeout",
     "debug", "seed", "on_each_node", "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size",
-    "pp_size",
+    "pp_size", "cp_method",
 )
 
 
 def _same_mesh(outer: ProcessState, sizes: Mapping[str, int | None]) -> None:
     """Refuse mesh sizes in a nested block that differ from the outer block's mesh."""
     shape = outer.mesh_shape
-    have: dict[str, int | None] = dict.fromkeys(SIZE_KEYS)
-    if shape is not None:  # cp_size: always 1 in a mesh
-        pp, replicate, shard, tp = shape
-        have.update(dp_replicate_size=replicate, dp_shard_size=shard, tp_size=tp, cp_size=1,
-                    pp_size=pp)
+    have = dict.fromkeys(SIZE_KEYS) if shape is None else dict(
+        zip(SIZE_KEYS, shape, strict=True)
+    )
     for key, value in sizes.items():
         if value is not None and value != have[key]:
             raise ConfigError(
                 f"accel.distributed({key}={value}) inside a block whose mesh is "
-                f"{outer.mesh_shape or 'not set'} (pp, dp_replicate, dp_shard, tp): the mesh is "
+                f"{outer.mesh_shape or 'not set'} (pp, dp_replicate, dp_shard, cp, tp): the mesh "
+                "is made once, by the outermost block. Pass the sizes there."
                 "made once, by the outermost block. Pass the sizes there."
             )
 

@@ -20,8 +20,10 @@ from accel.errors import ConfigError, ConfigTypeError
 
 __all__ = [
     "BACKENDS",
+    "CpMethod",
     "COMM_HOOKS",
     "COMM_WRAPPERS",
+    "CP_METHODS",
     "DDP_CONFIG_KEYS",
     "DDP_HOOK_KEYS",
     "DDP_KEYWORDS",
@@ -31,11 +33,12 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ENV_PREFIX",
     "FALSE_WORDS",
-    "FP8_NOTE",
+    "FP8_RECIPES",
     "MIXED_PRECISION_MODES",
     "MODEL_KEYS",
     "POLICY_KEYS",
     "POWER_SGD_OPTIONS",
+    "PRECISION_CODE_KEYS",
     "SETTINGS",
     "STRATEGIES",
     "TRUE_WORDS",
@@ -54,17 +57,20 @@ __all__ = [
 
 MixedPrecision = Literal["no", "fp16", "bf16", "fp8"]
 Strategy = Literal["none", "ddp", "fsdp"]
+CpMethod = Literal["alltoall", "ring"]
+CP_METHODS: tuple[str, ...] = get_args(CpMethod)
+"""How attention is split under context parallelism: heads all-to-all, or torch's ring."""
 MIXED_PRECISION_MODES: tuple[str, ...] = get_args(MixedPrecision)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
 """The ``torch.distributed`` backends ``backend=`` accepts."""
 
-FP8_NOTE = (
-    "mixed_precision='fp8' runs as bf16 autocast: accel has no fp8 backend yet, so nothing "
-    "runs in fp8. `mixed_precision='bf16'` gives the same run and says so."
-)
-"""What the fp8 precision unit (``accel.precision.fp8``) warns, once per process, when a feature
-first uses the mode, and what ``accel env`` shows for ``fp8``."""
+FP8_RECIPES = ("tensorwise", "rowwise")
+"""The torchao float8 recipes ``fp8_recipe`` names (a torchao ``Float8LinearConfig`` object is
+accepted from code too); ``accel.precision.fp8`` turns them into torchao configs."""
+PRECISION_CODE_KEYS = ("fp8_module_filter",)
+"""Options of the precision units that only code can give (a callable): ``distributed()``
+keywords, read from ``accel.state().options``."""
 
 DEFAULT_PORT = 29500
 """The rendezvous port when none is given and none can be chosen or derived."""
@@ -240,8 +246,8 @@ SETTINGS: Mapping[str, Spec] = {
     "max_restarts": Spec("int", "times the job restarts after a process fails", 0, minimum=0),
     # the run-wide policy (read by accel.distributed(), also as ACCEL_<KEY>)
     "mixed_precision": Spec(
-        "choice", "autocast precision (fp8 runs as bf16 for now)", "no",
-        choices=MIXED_PRECISION_MODES, layer="policy",
+        "choice", "autocast precision (fp8: torchao float8 Linear layers, bf16 around them)",
+        "no", choices=MIXED_PRECISION_MODES, layer="policy",
     ),
     "gradient_accumulation_steps": Spec(
         "int", "batches per optimizer step", 1, minimum=1, layer="policy"
@@ -277,10 +283,14 @@ SETTINGS: Mapping[str, Spec] = {
     ),
     "tp_size": Spec("int", "mesh: tensor-parallel degree", minimum=1, layer="policy"),
     "cp_size": Spec(
-        "int", "mesh: context-parallel degree (not available on CPU)", minimum=1,
+        "int", "mesh: context-parallel degree (processes that split each sequence)", minimum=1,
         layer="policy",
     ),
     "pp_size": Spec("int", "mesh: pipeline-parallel stages", minimum=1, layer="policy"),
+    "cp_method": Spec(
+        "choice", "context parallel attention: alltoall (any device) or ring (CUDA); default "
+        "ring on CUDA, else alltoall", choices=CP_METHODS, layer="policy",
+    ),
     # DDP options (read by accel.prepare_model where it wraps a model in DDP)
     "find_unused_parameters": Spec(
         "bool", "DDP: allow parameters with no gradient", False, layer="ddp"
@@ -308,6 +318,10 @@ SETTINGS: Mapping[str, Spec] = {
     "activation_checkpointing": Spec(
         "blocks", "recompute each block's activations in the backward (true, or block class "
         "names)", False, layer="model",
+    ),
+    "fp8_recipe": Spec(
+        "choice", "torchao float8 recipe under mixed_precision='fp8'", "tensorwise",
+        choices=FP8_RECIPES, layer="model",
     ),
 }
 """Every config key, its kind, meaning, default (``None``: decided at run time) and limits."""

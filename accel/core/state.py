@@ -22,6 +22,7 @@ from accel.core.settings import (
     DEFAULT_TIMEOUT_S,
     MIXED_PRECISION_MODES,
     STRATEGIES,
+    CpMethod,
     MixedPrecision,
     Strategy,
 )
@@ -80,11 +81,14 @@ class ProcessState:
     options: Mapping[str, Any] = attrs.field(
         factory=dict, converter=_frozen_mapping, eq=False, repr=False
     )
-    mesh_shape: tuple[int, int, int, int] | None = None
-    """``(pp, dp_replicate, dp_shard, tp)`` sizes when the block has a device mesh."""
+    mesh_shape: tuple[int, int, int, int, int] | None = None
+    """``(pp, dp_replicate, dp_shard, cp, tp)`` sizes when the block has a device mesh."""
     mesh: Any = attrs.field(default=None, eq=False, repr=False)
-    """The block's torch ``DeviceMesh`` (dims ``pp``, ``dp_replicate``, ``dp_shard``, ``tp``),
-    or None."""
+    """The block's torch ``DeviceMesh`` (dims ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``,
+    ``tp``), or None."""
+    cp_method: CpMethod | None = None
+    """How attention is split under context parallelism (``"alltoall"`` or ``"ring"``);
+    ``None`` without a ``cp`` dim > 1."""
 
     @property
     def is_main_process(self) -> bool:
@@ -109,12 +113,22 @@ class ProcessState:
     @property
     def tp_world_size(self) -> int:
         """Processes in this rank's tensor-parallel group (1 without a ``tp`` mesh dim)."""
-        return 1 if self.mesh_shape is None else self.mesh_shape[3]
+        return 1 if self.mesh_shape is None else self.mesh_shape[4]
 
     @property
     def tp_rank(self) -> int:
         """This rank's place in its tensor-parallel group (the mesh's innermost dim)."""
         return self.rank % self.tp_world_size
+
+    @property
+    def cp_world_size(self) -> int:
+        """Processes that split one sequence (1 without a ``cp`` mesh dim)."""
+        return 1 if self.mesh_shape is None else self.mesh_shape[3]
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's place in its context-parallel group: which piece of each sequence."""
+        return (self.rank // self.tp_world_size) % self.cp_world_size
 
     @property
     def pp_world_size(self) -> int:
@@ -128,14 +142,14 @@ class ProcessState:
 
     @property
     def dp_world_size(self) -> int:
-        """Processes that see different batches: ``world_size / (tp * pp)``."""
-        return self.world_size // (self.tp_world_size * self.pp_world_size)
+        """Processes that see different batches: ``world_size / (pp * cp * tp)``."""
+        return self.world_size // (self.pp_world_size * self.cp_world_size * self.tp_world_size)
 
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel index: which share of the batches it sees (every
-        pipeline stage and tensor-parallel rank of a replica sees the same)."""
-        return (self.rank // self.tp_world_size) % self.dp_world_size
+        pipeline stage, context-parallel and tensor-parallel rank of a replica sees the same)."""
+        return (self.rank // (self.cp_world_size * self.tp_world_size)) % self.dp_world_size
 
 
 # What to write instead of assigning to a state attribute.
@@ -143,14 +157,15 @@ _NESTED = ("mixed_precision", "gradient_accumulation_steps", "strategy", "debug"
            "on_each_node")
 _LAUNCH_FACTS = ("rank", "local_rank", "world_size", "local_world_size", "node_rank",
                  "num_nodes", "is_main_process", "is_local_main_process", "is_last_process",
-                 "use_distributed", "tp_world_size", "tp_rank", "dp_world_size", "dp_rank",
-                 "pp_world_size", "pp_rank")
+                 "use_distributed", "tp_world_size", "tp_rank", "cp_world_size", "cp_rank",
+                 "dp_world_size", "dp_rank", "pp_world_size", "pp_rank")
 _OUTERMOST = {
     "backend": "`accel.distributed(backend=...)`",
     "device": "`accel.distributed(cpu=True)` (or the launcher's device choice)",
     "seed": "`accel.distributed(seed=...)`",
     "mesh": "`accel.distributed(dp_shard_size=..., tp_size=..., pp_size=...)`",
     "mesh_shape": "`accel.distributed(dp_shard_size=..., tp_size=..., pp_size=...)`",
+    "cp_method": "`accel.distributed(cp_size=..., cp_method=...)`",
 }
 
 

@@ -1,4 +1,5 @@
-"""Map and zip over nested list/tuple/namedtuple/dict structures of tensors; tell DTensors."""
+"""Map and zip over nested list/tuple/namedtuple/dict structures of tensors; tell DTensors;
+find the plain tensor inside a wrapper subclass."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 __all__ = [
     "dtensor_type", "first_non_tensor", "holds_dtensors", "is_namedtuple", "map_tensors",
-    "tensor_leaves", "zip_map_tensors",
+    "plain_tensor", "tensor_leaves", "zip_map_tensors",
 ]
 
 T = TypeVar("T")
@@ -126,3 +127,30 @@ def holds_dtensors(tensors: Iterable[Any]) -> bool:
     """Whether any of ``tensors`` is a DTensor (e.g. the parameters of an FSDP2 model)."""
     cls = dtensor_type()
     return cls is not None and any(isinstance(t, cls) for t in tensors)
+
+
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding ``tensor``'s values when it is a wrapper subclass.
+
+    A wrapper subclass (torch's ``__tensor_flatten__`` protocol, e.g. the weights torchao's
+    float8 all-gather wraps under FSDP2) has no storage of its own: reading its bytes reads
+    nothing valid. Its inner tensor of the same shape and dtype holds the values. Any other
+    tensor (a DTensor too: take its local tensor first) is returned as it is.
+
+    Example:
+        >>> plain_tensor(torch.ones(2)).shape
+        torch.Size([2])
+    """
+    dtensor = dtensor_type()
+    if type(tensor) is torch.Tensor or (dtensor is not None and isinstance(tensor, dtensor)):
+        return tensor
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if not callable(flatten):
+        return tensor
+    names, _ = flatten()
+    for name in names:
+        inner = getattr(tensor, name, None)
+        if (isinstance(inner, torch.Tensor) and inner.shape == tensor.shape
+                and inner.dtype == tensor.dtype):
+            return plain_tensor(inner)
+    return tensor

@@ -263,7 +263,8 @@ def notebook_launcher(
         function: the training function; runs on every process.
         args: positional arguments for it.
         num_processes: processes on this machine (default: one per GPU, else 2 on CPU).
-        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (runs as bf16 for now).
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (torchao float8
+            Linear layers).
         num_nodes: machines in the job (run the same cell on each).
         node_rank: rank of this machine.
         master_addr: address of machine 0 (several machines).

@@ -28,7 +28,9 @@ from accel.core.settings import (
     DEFAULT_CPU_PROCESSES,
     DEFAULT_PORT,
     ENV_PREFIX,
+    FP8_RECIPES,
     MIXED_PRECISION_MODES,
+    MODEL_KEYS,
     POLICY_KEYS,
     STRATEGIES,
     cpu_count,
@@ -106,7 +108,10 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
                        help="accepted for Accelerate compatibility (implied)")
     policy = parser.add_argument_group("training options (reach accel.distributed())")
     policy.add_argument("--mixed-precision", "--mixed_precision", metavar="MODE",
-                        help=f"{', '.join(MIXED_PRECISION_MODES)} (fp8 runs as bf16 for now)")
+                        help=f"{', '.join(MIXED_PRECISION_MODES)} (fp8: torchao, accel[fp8])")
+    policy.add_argument("--fp8-recipe", "--fp8_recipe", metavar="R",
+                        help=f"{', '.join(FP8_RECIPES)} (mixed precision fp8; default "
+                             f"{FP8_RECIPES[0]})")
     policy.add_argument("--gradient-accumulation-steps", "--gradient_accumulation_steps",
                         type=int, metavar="K", help="batches per optimizer step")
     policy.add_argument("--strategy", metavar="S", help=", ".join(STRATEGIES))
@@ -124,11 +129,14 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     for size, what in (("dp_replicate", "data-parallel replicas (HSDP's replicate dim)"),
                        ("dp_shard", "processes each model is sharded over (FSDP)"),
                        ("tp", "tensor-parallel degree"),
-                       ("cp", "context-parallel degree (not available on CPU)"),
+                       ("cp", "context-parallel degree (processes that split each sequence)"),
                        ("pp", "pipeline-parallel stages")):
         accelerate = () if size == "pp" else (f"--parallelism_config_{size}_size",)
         mesh.add_argument(f"--{size.replace('_', '-')}-size", f"--{size}_size", *accelerate,
                           dest=f"{size}_size", type=int, metavar="N", help=what)
+    mesh.add_argument("--cp-method", "--cp_method", dest="cp_method", metavar="M",
+                      help="context parallel attention: alltoall (any device) or ring (CUDA); "
+                           "default ring on CUDA, else alltoall")
     policy.add_argument("--config-file", "--config_file", metavar="F",
                         help="config file (default: $ACCEL_CONFIG_FILE, else "
                              "~/.config/accel/config.toml)")
@@ -153,6 +161,7 @@ def command_line_settings(ns: argparse.Namespace) -> dict[str, object]:
         "main_process_port": get("master_port"),
         "max_restarts": get("max_restarts"),
         "mixed_precision": get("mixed_precision"),
+        "fp8_recipe": get("fp8_recipe"),
         "gradient_accumulation_steps": get("gradient_accumulation_steps"),
         "strategy": strategy,
         "backend": get("backend"),
@@ -160,7 +169,7 @@ def command_line_settings(ns: argparse.Namespace) -> dict[str, object]:
         "debug": get("debug"),
         "timeout": get("timeout"),
         **{key: get(key) for key in ("dp_replicate_size", "dp_shard_size", "tp_size",
-                                     "cp_size", "pp_size")},
+                                     "cp_size", "pp_size", "cp_method")},
     }
     return {key: value for key, value in out.items() if value is not None}
 
@@ -324,6 +333,9 @@ def _worker_env(
     worker_env: dict[str, str] = {}
     for key in POLICY_KEYS:
         if settings[key].source != "default":
+            worker_env[env_variable(key)] = _env_text(settings[key].value)
+    for key in MODEL_KEYS:  # the file's and the environment's reach the workers as they are
+        if settings[key].source == "command line":
             worker_env[env_variable(key)] = _env_text(settings[key].value)
     if cpu:
         worker_env[env_variable("cpu")] = "1"

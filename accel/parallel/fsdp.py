@@ -340,7 +340,9 @@ def shard_model(
     """
     targets = shard_targets(model, options.shard_modules)
     st = state()
-    if st.dp_world_size == 1 or evaluation_mode or is_fsdp_module(model):
+    # Context-parallel ranks join the FSDP group (they hold the same weights).
+    group = st.dp_world_size * st.cp_world_size
+    if group == 1 or evaluation_mode or is_fsdp_module(model):
         if st.world_size == 1 and not evaluation_mode:
             _note_one_process()
         return model.to(st.device) if device_placement else model

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -110,11 +111,18 @@ def _check_heads(model: nn.Module, tp: int) -> None:
             )
 
 
-def apply_tensor_parallel(model: nn.Module, tp_plan: object, mesh: Any) -> bool:
+Styles = Callable[[nn.Module, Mapping[str, Any]], dict[str, Any]]
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_plan: object, mesh: Any, *, styles: Styles | None = None
+) -> bool:
     """Split ``model``'s layers in place over the ``tp`` dim of ``mesh`` per ``tp_plan``.
 
     The plan is checked first (:func:`check_plan`), on one process too. Returns ``False``
-    (and changes nothing) when there is no mesh or its ``tp`` dim is 1.
+    (and changes nothing) when there is no mesh or its ``tp`` dim is 1. ``styles`` (the
+    precision unit's ``parallel_styles``) may swap the checked styles for its own layers'
+    (fp8: torchao's float8 styles).
 
     Raises:
         ConfigError: a plan that is not ``"auto"`` or a mapping, a pattern that names no
@@ -134,6 +142,8 @@ def apply_tensor_parallel(model: nn.Module, tp_plan: object, mesh: Any) -> bool:
     from torch.distributed.tensor.parallel import parallelize_module
 
     _check_heads(model, tp)
+    if styles is not None:
+        chosen = styles(model, chosen)
     ties = _tie_groups(model)
     parallelize_module(model, mesh["tp"], chosen)
     _retie(model, ties)

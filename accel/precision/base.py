@@ -2,7 +2,9 @@
 
 A unit is a frozen, stateless object, one per mode (``accel.precision.registry.PRECISIONS``),
 asked by the features that depend on the mode instead of branching on the mode's name:
-``accel.autocast()`` enters :meth:`Precision.autocast`; ``prepare_model`` wraps the forward in
+``accel.autocast()`` enters :meth:`Precision.autocast`; ``prepare_model`` swaps layers with
+:meth:`Precision.convert_modules` (before any split or sharding; tensor parallelism takes
+:meth:`Precision.parallel_styles`) and wraps the forward in
 :meth:`Precision.forward_dtype`, and the wrapper runs it as :meth:`Precision.forward_casting`
 says; FSDP2 takes :meth:`Precision.fsdp_policy` and :meth:`Precision.upcast_master_weights`;
 ``prepare_optimizer``, ``backward``, the prepared optimizer's ``step``, unscaling and clipping
@@ -18,7 +20,7 @@ policy, no loss scaling. Other modes subclass it (``half.py``, ``fp8.py``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol
 
 import attrs
@@ -64,6 +66,30 @@ class Precision:
     """The ``mixed_precision`` value this unit serves."""
     dtype: ClassVar[torch.dtype | None] = None
     """The dtype autocast computes in (``None``: as written)."""
+
+    # -- the model's layers ---------------------------------------------------------------
+    def convert_modules(self, model: nn.Module, *, fsdp: bool, tensor_parallel: bool) -> None:
+        """Swap ``model``'s layers for the mode's own, in place, before ``prepare_model``
+        splits or shards it (fp8: torchao's ``Float8Linear``). Other modes keep them.
+
+        Args:
+            model: the model ``prepare_model`` was given.
+            fsdp: FSDP2 will shard it.
+            tensor_parallel: a tensor-parallel plan will split it.
+
+        Example:
+            >>> precision_for("bf16").convert_modules(model, fsdp=False, tensor_parallel=False)
+        """
+
+    def parallel_styles(self, model: nn.Module, plan: Mapping[str, Any]) -> dict[str, Any]:
+        """The tensor-parallel styles (module name -> torch ``ParallelStyle``) to apply to
+        ``model``: the checked plan, or the mode's own styles for its layers.
+
+        Example:
+            >>> precision_for("no").parallel_styles(model, {"up": ColwiseParallel()})
+            {'up': ColwiseParallel(...)}
+        """
+        return dict(plan)
 
     # -- autocast and the prepared forward ------------------------------------------------
     def autocast(

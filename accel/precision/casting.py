@@ -2,7 +2,8 @@
 
 Both ask the unit of the state's mode (``accel.precision.registry``): ``"bf16"`` and
 ``"fp16"`` run under :func:`torch.autocast` on the state's device type (CPU and CUDA alike),
-``"no"`` runs as written, ``"fp8"`` runs as bf16 for now (``accel.precision.fp8``).
+``"no"`` runs as written, ``"fp8"`` runs bf16 autocast around its float8 Linear layers
+(``accel.precision.fp8``).
 ``prepare_model`` installs the forward wrapper with :func:`prepare_forward`; ``unwrap_model(m,
 keep_fp32_wrapper=False)`` takes it off with :func:`remove_forward`.
 """
@@ -33,7 +34,7 @@ def autocast(
 
     The state's mode decides (its unit's ``autocast``): with ``mixed_precision="no"`` (and no
     ``dtype``) this is a no-op context; otherwise :func:`torch.autocast` on the state's device
-    type (``"cpu"`` or ``"cuda"``) with bf16 or fp16 (fp8: bf16, said once per process).
+    type (``"cpu"`` or ``"cuda"``) with bf16 or fp16 (fp8: bf16, around its float8 layers).
     Prepared models already run their forward this way; use it for computation outside the
     model (a loss, a second head).
 

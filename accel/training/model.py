@@ -27,6 +27,7 @@ from accel.parallel.ddp import DDPOptions, ddp_options, make_ddp, note_ignored
 from accel.parallel.ddp_teardown import watch_reducers
 from accel.parallel.fsdp_params import mark_replaced
 from accel.precision.casting import prepare_forward, remove_forward
+from accel.precision.registry import precision_for
 
 __all__ = ["is_prepared", "prepare_model", "unwrap_model"]
 
@@ -126,7 +127,8 @@ def _split_tensor_parallel(model: nn.Module, tp_plan: object, device_placement: 
     if device_placement:
         model.to(st.device)
     before = dict(model.named_parameters())
-    split = apply_tensor_parallel(model, tp_plan, st.mesh)
+    styles = precision_for(st.mixed_precision).parallel_styles
+    split = apply_tensor_parallel(model, tp_plan, st.mesh, styles=styles)
     if split:
         mark_replaced(model, before)  # an optimizer made before prepare_model is moved over
     return split
@@ -154,6 +156,13 @@ def _split_pipeline(
                 "prepare_model(compile=...) with pipeline parallelism is not available yet: "
                 "leave compile off under pp_size > 1."
             )
+        if st.cp_world_size > 1:
+            raise ConfigError(
+                f"Pipeline parallelism (pp_size={st.pp_world_size}) with context parallelism "
+                f"(cp_size={st.cp_world_size}) is not available yet: the stages pass hidden "
+                "states of whole sequences and do not split them. Use pp_size with data "
+                "parallelism, or cp_size without pp_size."
+            )
         if chosen == "ddp" and st.dp_world_size > 1 and strategy_options:
             note_ignored(ddp_options(st.options, strategy_options), "pipeline parallelism")
     shard = None
@@ -168,10 +177,35 @@ def _split_pipeline(
     def checkpoint(view: nn.Module) -> None:
         checkpoint_blocks(view, checkpointing)
 
+    def convert(whole: nn.Module) -> None:  # fp8's layers, once the plan is checked
+        _convert_modules(whole, chosen, tp_plan, evaluation_mode)
+
     return pipeline_model(
         model, **pipeline, device_placement=device_placement, shard=shard,
         checkpoint=None if checkpointing is False else checkpoint, checkpointing=checkpointing,
+        convert=convert,
     )
+
+
+def _convert_modules(
+    model: nn.Module, chosen: str, tp_plan: object, evaluation_mode: bool
+) -> None:
+    """The mode's own layers (fp8: torchao's float8 ``nn.Linear``), before any split or
+    sharding, told whether FSDP2 will shard the model and whether TP may split it."""
+    st = state()
+    tensor_parallel = st.tp_world_size > 1 and (tp_plan is not None or _carries_plan(model))
+    fsdp = not evaluation_mode and st.dp_world_size > 1 and (
+        chosen == "fsdp" or tensor_parallel or st.pp_world_size > 1  # stages: always FSDP2
+    )
+    precision_for(st.mixed_precision).convert_modules(
+        model, fsdp=fsdp, tensor_parallel=tensor_parallel
+    )
+
+
+def _carries_plan(model: nn.Module) -> bool:
+    from accel.parallel.tensor_parallel import carries_plan
+
+    return carries_plan(model)
 
 
 def prepare_model(
@@ -191,8 +225,10 @@ def prepare_model(
 ) -> nn.Module:
     """Make ``model`` ready for the run: device, mixed precision forward, DDP or FSDP2, compile.
 
-    In order: the model moves to ``accel.state().device``; under mixed precision (bf16/fp16)
-    its ``forward`` is wrapped once to run in autocast and return floating outputs as fp32
+    In order: under ``mixed_precision="fp8"`` its eligible ``nn.Linear`` layers become
+    torchao's ``Float8Linear`` (see ``docs/training.md#fp8``); the model moves to
+    ``accel.state().device``; under mixed precision (bf16/fp16/fp8) its ``forward`` is
+    wrapped once to run in autocast and return floating outputs as fp32
     (Accelerate's ``convert_outputs_to_fp32``); with several processes and the ``"ddp"``
     strategy it is wrapped in :class:`~torch.nn.parallel.DistributedDataParallel` (gloo on
     CPU without ``device_ids``, CUDA with ``device_ids=[device.index]``) unless
@@ -235,6 +271,9 @@ def prepare_model(
             first; then FSDP over the data-parallel dims (``dp_shard``, HSDP with
             ``dp_replicate``), or replicas kept in sync over ``dp_replicate`` (FSDP2 with a
             shard size of 1).
+            Under ``accel.distributed(cp_size=...)`` a transformers model is wired for
+            context parallelism next (``accel.parallel.context_parallel``): its forward
+            takes the whole batch and each cp rank works on its piece of every sequence.
         pp_plan: pipeline parallelism over the mesh's ``pp`` dim (``accel.distributed(
             pp_size=...)``): the module names that start a stage (``["layers.4"]``), a number
             of stages, or ``"auto"`` (the model's blocks split evenly, embeddings with the
@@ -299,12 +338,18 @@ def prepare_model(
             _mark(model, model)
             return model
     shard_modules = None
+    _convert_modules(model, chosen, tp_plan, evaluation_mode)
     split = _split_tensor_parallel(model, tp_plan, device_placement)
+    if st.cp_world_size > 1:  # a transformers model's attention and forward split the sequence
+        from accel.parallel.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model)
     if split and chosen != "fsdp":
         # TP weights are DTensors, which DDP cannot sync: FSDP2 keeps the data-parallel
         # replicas in sync instead (a shard size of 1 when only dp_replicate is set).
         note_ignored(ddp_options(st.options, {}), "tensor parallelism")
-        chosen = "fsdp" if st.dp_world_size > 1 and not evaluation_mode else "none"
+        group = st.dp_world_size * st.cp_world_size  # cp ranks sync like data-parallel ones
+        chosen = "fsdp" if group > 1 and not evaluation_mode else "none"
         strategy_options = {}
     if chosen == "fsdp":
         from accel.parallel import fsdp  # torch.distributed.fsdp loads only for this strategy

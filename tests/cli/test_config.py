@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -192,31 +193,36 @@ def test_default_settings_are_valid() -> None:
     assert "num_processes" not in defaults
 
 
-def test_questionnaire_does_not_offer_fp8() -> None:
-    answers = iter(["1", "", "n", "fp8", "bf16", "1", "", "0", "n"])
+def test_questionnaire_offers_fp8() -> None:
+    answers = iter(["1", "", "n", "fp8", "1", "", "0", "n"])
     prompts: list[str] = []
-    said: list[str] = []
 
     def read(prompt: str) -> str:
         prompts.append(prompt)
         return next(answers)
 
-    settings = ask_config(read, said.append)
-    assert settings["mixed_precision"] == "bf16"
+    settings = ask_config(read, lambda text: None)
+    assert settings["mixed_precision"] == "fp8"
     question = next(p for p in prompts if p.startswith("Mixed precision"))
-    assert "fp8" not in question and "no/fp16/bf16" in question
-    assert any("'fp8' runs as bf16" in line and "Try again" in line for line in said)
+    assert "no/fp16/bf16/fp8" in question
 
 
-def test_env_info_says_that_fp8_runs_as_bf16() -> None:
-    from accel.cli.envinfo import collect_env_info, format_env_info
-    from accel.core.settings import FP8_NOTE
+def test_env_info_under_fp8_notes_only_a_missing_torchao(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accel.cli import envinfo
+    from accel.cli.envinfo import FP8_TORCHAO_NOTE, collect_env_info, format_env_info
 
-    fp8 = collect_env_info(resolve_settings({"mixed_precision": "fp8"}, LaunchEnv(), {}),
-                           Path("cfg.toml"), "--config-file")
-    assert fp8["notes"] == [FP8_NOTE]
+    def info() -> dict[str, Any]:
+        return collect_env_info(resolve_settings({"mixed_precision": "fp8"}, LaunchEnv(), {}),
+                                Path("cfg.toml"), "--config-file")
+
+    fp8 = info()
+    assert fp8["notes"] == []  # torchao is installed (accel[test] has accel[fp8])
     assert fp8["settings"]["mixed_precision"] == {"value": "fp8", "source": "command line"}
-    assert f"- note: {FP8_NOTE}" in format_env_info(fp8)
+    assert fp8["settings"]["fp8_recipe"] == {"value": "tensorwise", "source": "default"}
+    monkeypatch.setattr(envinfo, "_has_torchao", lambda: False)
+    missing = info()
+    assert missing["notes"] == [FP8_TORCHAO_NOTE] and "accel[fp8]" in FP8_TORCHAO_NOTE
+    assert f"- note: {FP8_TORCHAO_NOTE}" in format_env_info(missing)
     bf16 = collect_env_info(resolve_settings({"mixed_precision": "bf16"}, LaunchEnv(), {}),
                             Path("cfg.toml"), "--config-file")
     assert bf16["notes"] == []

@@ -124,8 +124,8 @@ def test_multi_machine_ddp_and_what_cannot_be_imported(
         "strategy": "ddp", "num_machines": 2, "num_processes": 16, "machine_rank": 1,
         "main_process_ip": "10.0.0.1", "main_process_port": 29501, "mixed_precision": "fp8",
     }
-    assert "mixed_precision: 'fp8' -> mixed_precision = \"fp8\" (fp8 runs as bf16 autocast)" \
-        in out
+    assert "mixed_precision: 'fp8' -> mixed_precision = \"fp8\" (torchao float8 training " \
+        "(accel[fp8]))" in out
     assert "gpu_ids: '0,1,2,3,4,5,6,7' not imported: no config key: launch with " \
            "`CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7`" in out
     assert "dynamo_config: {'dynamo_backend': 'INDUCTOR'} not imported: no config key: pass " \
@@ -302,7 +302,7 @@ def test_parallelism_config_and_activation_checkpointing_are_mapped(
            "true (the blocks FSDP shards)" in out
 
 
-def test_context_parallelism_is_not_imported(
+def test_context_parallelism_is_imported(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = _write(tmp_path, """\
@@ -314,6 +314,36 @@ def test_context_parallelism_is_not_imported(
     target = tmp_path / "accel.toml"
     code, out, _ = _import(capsys, str(source), "--config-file", str(target))
     assert code == 0, out
-    assert load_config(target) == {"strategy": "fsdp"}
-    assert "parallelism_config.parallelism_config_cp_size: 2 not imported: accel has no " \
-           "context or sequence parallelism" in out
+    assert load_config(target) == {"strategy": "fsdp", "cp_size": 2}
+    assert "parallelism_config.parallelism_config_cp_size: 2 -> cp_size = 2" in out
+    assert "parallelism_config.parallelism_config_cp_comm_strategy: 'allgather' not imported: " \
+           "accel has no such setting" in out
+
+
+@pytest.mark.parametrize(
+    ("backend", "reason"),
+    [("AO", "torchao's tensorwise recipe, as Accelerate's AO default"),
+     ("TE", "accel uses torchao's float8 training, not Transformer Engine"),
+     ("MSAMP", "accel uses torchao's float8 training, not MS-AMP")],
+)
+def test_fp8_config_becomes_torchaos_recipe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], backend: str, reason: str
+) -> None:
+    source = _write(tmp_path, f"""\
+        mixed_precision: fp8
+        fp8_config:
+          backend: {backend}
+          enable_fsdp_float8_all_gather: true
+          pad_inner_dim: true
+          fp8_format: HYBRID
+    """)
+    target = tmp_path / "accel.toml"
+    code, out, _ = _import(capsys, str(source), "--config-file", str(target))
+    assert code == 0
+    assert load_config(target) == {"mixed_precision": "fp8", "fp8_recipe": "tensorwise"}
+    assert f"fp8_config.backend: '{backend}' -> fp8_recipe = \"tensorwise\" ({reason}" in out
+    assert "fp8_config.enable_fsdp_float8_all_gather: True not needed: accel turns torchao's " \
+           "float8 all-gather on itself" in out
+    assert "fp8_config.pad_inner_dim: True not imported: no config key" in out
+    assert "fp8_config.fp8_format: 'HYBRID' not imported: a Transformer Engine / MS-AMP " \
+           "option" in out

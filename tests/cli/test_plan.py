@@ -210,3 +210,17 @@ def test_mesh_sizes_reach_the_workers_in_every_spelling() -> None:
             "ACCEL_TP_SIZE": "2", "ACCEL_DP_SHARD_SIZE": "2", "ACCEL_DP_REPLICATE_SIZE": "1"}
     p = plan("train.py", file={"tp_size": 2})  # the config file's key, passed on the same way
     assert p.worker_env["ACCEL_TP_SIZE"] == "2"
+
+
+def test_the_fp8_recipe_reaches_the_workers() -> None:
+    for spelling in ("--fp8_recipe", "--fp8-recipe"):
+        p = plan("--mixed_precision", "fp8", spelling, "RowWise", "train.py")
+        assert p.worker_env["ACCEL_MIXED_PRECISION"] == "fp8"
+        assert p.worker_env["ACCEL_FP8_RECIPE"] == "rowwise"
+        assert p.settings["fp8_recipe"].source == "command line"
+    file = plan("train.py", file={"fp8_recipe": "rowwise"})  # the workers read the file
+    assert file.settings["fp8_recipe"].value == "rowwise"
+    assert "ACCEL_FP8_RECIPE" not in file.worker_env
+    assert plan("train.py").settings["fp8_recipe"].value == "tensorwise"
+    with pytest.raises(ConfigError, match=r"fp8_recipe='blockwise'.*\['tensorwise', 'rowwise'\]"):
+        plan("--fp8_recipe", "blockwise", "train.py")

@@ -21,12 +21,12 @@ def _steps(stdout: str) -> list[str]:
 def test_every_mesh_prints_the_losses_of_one_process(tmp_path: pathlib.Path) -> None:
     one = run_script(EXAMPLE, "--steps", "3", world_size=1, launch=False, timeout=240)
     want = _steps(one.output)
-    assert len(want) == 3 and "mesh (pp, dp_replicate, dp_shard, tp) = None" in one.output
-    for sizes, shape in (({"ACCEL_TP_SIZE": "2", "ACCEL_DP_SHARD_SIZE": "2"}, "(1, 1, 2, 2)"),
-                         ({"ACCEL_TP_SIZE": "4"}, "(1, 1, 1, 4)")):
+    assert len(want) == 3 and "mesh (pp, dp_replicate, dp_shard, cp, tp) = None" in one.output
+    for sizes, shape in (({"ACCEL_TP_SIZE": "2", "ACCEL_DP_SHARD_SIZE": "2"}, "(1, 1, 2, 1, 2)"),
+                         ({"ACCEL_TP_SIZE": "4"}, "(1, 1, 1, 1, 4)")):
         run = run_script(EXAMPLE, "--steps", "3", "--save-dir", str(tmp_path / "ckpt"),
                          world_size=4, env=sizes, timeout=240)
-        assert f"mesh (pp, dp_replicate, dp_shard, tp) = {shape}, 4 processes" in run.stdout[0]
+        assert f"mesh (pp, dp_replicate, dp_shard, cp, tp) = {shape}, 4 processes" in run.stdout[0]
         assert _steps(run.stdout[0]) == want, sizes  # printed by rank 0 (losses: world means)
         assert all(not _steps(out) for out in run.stdout[1:])
     resumed = run_script(EXAMPLE, "--steps", "1", "--resume", str(tmp_path / "ckpt"),

@@ -32,8 +32,8 @@ MESHES = {
     "tp2xreplicate2": {"tp_size": 2, "dp_replicate_size": 2},
 }
 SHAPES = {
-    "tp2xfsdp2": (1, 1, 2, 2), "hsdp2x2": (1, 2, 2, 1), "tp4": (1, 1, 1, 4),
-    "tp2xreplicate2": (1, 2, 1, 2),
+    "tp2xfsdp2": (1, 1, 2, 1, 2), "hsdp2x2": (1, 2, 2, 1, 1), "tp4": (1, 1, 1, 1, 4),
+    "tp2xreplicate2": (1, 2, 1, 1, 2),
 }
 _REFERENCE: dict[tuple[Any, ...], dict[str, Any]] = {}
 
@@ -65,7 +65,7 @@ def test_mlp_on_a_mesh_equals_one_process(mesh: str) -> None:
     _assert_same(out[0], _one_process("mlp"))
     shape = SHAPES[mesh]
     assert [o["mesh"] for o in out] == [shape] * 4
-    tp = shape[3]
+    tp = shape[-1]  # the innermost dim
     assert [o["tp"] for o in out] == [(r % tp, tp) for r in range(4)]
     assert [o["dp"] for o in out] == [(r // tp, 4 // tp) for r in range(4)]
     for other in out[1:]:  # every rank sees the same global results
@@ -272,8 +272,9 @@ def test_inspect_shows_the_mesh_a_checkpoint_was_saved_on(
     checkpoint = str(saved["root"] / "tp2xfsdp2")
     assert main(["checkpoint", "inspect", checkpoint, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["mesh"]["sizes"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 2}
+    assert report["mesh"]["sizes"] == {
+        "pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}
     assert main(["checkpoint", "inspect", checkpoint]) == 0
-    assert ("mesh: 4-D (pp=1, dp_replicate=1, dp_shard=2, tp=2) over 4 ranks"
-            in capsys.readouterr().out)
+    shown = capsys.readouterr().out
+    assert "mesh: 5-D (pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=2) over 4 ranks" in shown
     assert main(["checkpoint", "verify", checkpoint]) == 0

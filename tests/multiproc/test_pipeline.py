@@ -147,3 +147,26 @@ def test_activation_checkpointing_and_an_optimizer_made_before_equal_one_process
         together = run_distributed(pm.train_prepared_together, world_size=world, timeout=120,
                                    pp_size=2, **sizes)
         _assert_same(together[:: world // 2], _one_process())
+
+
+def test_pp_x_cp_ranks_follow_the_mesh_and_prepare_model_refuses_the_pair() -> None:
+    out = run_distributed(pm.refused_with_cp, world_size=4, timeout=120, pp_size=2, cp_size=2)
+    assert all(o["mesh"] == (2, 1, 1, 2, 1) for o in out)
+    assert out[0]["dims"] == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    # (pp_rank, dp_rank, cp_rank, tp_rank): a cp group shares its dp_rank (the same batches)
+    assert [o["ranks"] for o in out] == [(0, 0, 0, 0), (0, 0, 1, 0), (1, 0, 0, 0), (1, 0, 1, 0)]
+    assert all(o["sizes"] == (2, 1, 2) for o in out)
+    assert all("(pp_size=2) with context parallelism (cp_size=2) is not available" in o["said"]
+               for o in out)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+def test_fp8_converts_each_stages_linear_layers() -> None:
+    out = run_distributed(pm.fp8_stages, world_size=2, timeout=120, pp_size=2,
+                          mixed_precision="fp8")
+    assert out[0]["float8"] == ["layers.0.down", "layers.0.up", "layers.1.down", "layers.1.up"]
+    assert out[1]["float8"] == ["layers.2.down", "layers.2.up", "layers.3.down", "layers.3.up"]
+    one = run_distributed(pm.fp8_stages, world_size=1, timeout=120, mixed_precision="fp8")[0]
+    assert len(one["float8"]) == 8  # the input layer (4 wide) and the 2-wide head stay
+    assert out[0]["losses"] == out[1]["losses"]
+    assert out[0]["losses"] == pytest.approx(one["losses"], abs=0.02)

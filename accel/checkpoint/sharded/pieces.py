@@ -28,8 +28,9 @@ from torch import nn
 
 from accel._files.writer import PlannedFile
 from accel.checkpoint.objects import plan_object
+from accel.core.mesh import covered_dims
 from accel.core.state import state
-from accel.core.tree import dtensor_type, holds_dtensors
+from accel.core.tree import dtensor_type, holds_dtensors, plain_tensor
 from accel.errors import AccelError, CheckpointArgumentError, CheckpointError
 from accel.training.model import unwrap_model
 from accel.weights.ties import TIED, owner, tie_map
@@ -140,12 +141,14 @@ def _root_coordinate(root: Any) -> dict[str, int]:
 def _first_copy(mesh: Any, where_in_root: dict[str, int]) -> bool:
     """Whether this rank holds the first copy of a tensor on ``mesh``, a submesh of the block's
     mesh: coordinate 0 on every dim of the block's mesh that ``mesh`` lacks (e.g. ``tp`` for a
-    layer left whole under tensor parallelism, whose FSDP shards repeat on each TP rank)."""
+    layer left whole under tensor parallelism, whose FSDP shards repeat on each TP rank; a
+    flattened dim such as ``dp_shard_cp`` covers the dims it flattens)."""
     names = mesh.mesh_dim_names
-    if not names or not set(names) <= set(where_in_root):
+    covered = {dim for name in names or () for dim in covered_dims(name)}
+    if not names or not covered <= set(where_in_root):
         return True  # a mesh of the user's own: its pieces are all written
     # a pipeline stage's tensors live on its own "pp" coordinate only: each stage writes its own
-    return all(c == 0 for name, c in where_in_root.items() if name not in names and name != "pp")
+    return all(c == 0 for name, c in where_in_root.items() if name not in covered and name != "pp")
 
 
 def _local_pieces(
@@ -181,7 +184,7 @@ def _local_pieces(
         shape, offset = compute_local_shape_and_global_offset(
             dt.shape, dt.device_mesh, dt.placements
         )
-        local = dt.to_local().detach()
+        local = plain_tensor(dt.to_local().detach())  # torchao's float8 weights: their values
         if tuple(local.shape) != tuple(shape):
             raise CheckpointError(
                 f"Cannot save {key!r}: its local shard has shape {tuple(local.shape)}, not the "

@@ -194,6 +194,7 @@ def pipeline_model(
     shard: Callable[[nn.Module], nn.Module] | None,
     checkpoint: Callable[[nn.Module], None] | None,
     checkpointing: BlockChoice = False,
+    convert: Callable[[nn.Module], None] | None = None,
 ) -> bool:
     """Split ``model`` in place into this rank's pipeline stages; whether it was split.
 
@@ -210,6 +211,8 @@ def pipeline_model(
         shard: FSDP2 for one stage module (``None`` without a data-parallel dim).
         checkpoint: activation checkpointing of one stage view's blocks, or ``None``.
         checkpointing: the activation checkpointing choice (to refuse what does not mix).
+        convert: the precision mode's layer swap (fp8) for the whole model, run once the
+            plan is checked and before it is split.
 
     Raises:
         ConfigError: any plan, schedule or wrapping problem, before anything is changed.
@@ -237,6 +240,8 @@ def pipeline_model(
     plan_of = stage_plan(model, split_points(model, "auto" if plan is None else plan,
                                              num_stages))
     local = spec.stages_of(st.pp_rank, pp, per_rank)
+    if convert is not None:
+        convert(model)
     before = dict(model.named_parameters())
     keep_stages(model, plan_of, local)
     if device_placement:

@@ -151,7 +151,6 @@ def test_absent_class_names_it_and_lists_the_classes_present() -> None:
         accel.prepare_model(Net(), strategy="fsdp", shard_modules="Attention")
 
 
-@pytest.mark.filterwarnings("ignore:mixed_precision='fp8' runs as bf16:UserWarning")
 def test_mixed_precision_policy() -> None:
     assert precision_for("no").fsdp_policy() is None
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16),

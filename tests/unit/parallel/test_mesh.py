@@ -22,19 +22,22 @@ from tests import mesh_models as mm
 @pytest.mark.parametrize(
     ("world", "strategy", "sizes", "shape"),
     [
-        (4, None, {"tp_size": 2}, (2, 1, 2)),  # the rest replicates without fsdp
-        (4, "fsdp", {"tp_size": 2}, (1, 2, 2)),  # ... and shards under fsdp
-        (4, None, {"dp_shard_size": 2, "tp_size": 2}, (1, 2, 2)),
-        (4, None, {"dp_shard_size": 2}, (2, 2, 1)),  # HSDP: replicate takes what remains
-        (4, None, {"dp_replicate_size": 2, "dp_shard_size": 2}, (2, 2, 1)),
-        (4, None, {"tp_size": 4}, (1, 1, 4)),
-        (8, None, {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, (2, 2, 2)),
-        (4, "fsdp", {"dp_replicate_size": 2}, (2, 2, 1)),
-        (4, None, {"cp_size": 1}, (4, 1, 1)),
+        (4, None, {"tp_size": 2}, (2, 1, 1, 2)),  # the rest replicates without fsdp
+        (4, "fsdp", {"tp_size": 2}, (1, 2, 1, 2)),  # ... and shards under fsdp
+        (4, None, {"dp_shard_size": 2, "tp_size": 2}, (1, 2, 1, 2)),
+        (4, None, {"dp_shard_size": 2}, (2, 2, 1, 1)),  # HSDP: replicate takes what remains
+        (4, None, {"dp_replicate_size": 2, "dp_shard_size": 2}, (2, 2, 1, 1)),
+        (4, None, {"tp_size": 4}, (1, 1, 1, 4)),
+        (8, None, {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 2}, (2, 2, 1, 2)),
+        (4, "fsdp", {"dp_replicate_size": 2}, (2, 2, 1, 1)),
+        (4, None, {"cp_size": 1}, (4, 1, 1, 1)),
+        (4, None, {"cp_size": 2}, (2, 1, 2, 1)),  # cp ranks: same batches, DDP average
+        (4, "fsdp", {"cp_size": 2}, (1, 2, 2, 1)),
+        (8, None, {"cp_size": 2, "dp_shard_size": 2, "tp_size": 2}, (1, 2, 2, 2)),
     ],
 )
 def test_one_unset_size_takes_what_remains(
-    world: int, strategy: str | None, sizes: dict[str, int], shape: tuple[int, int, int]
+    world: int, strategy: str | None, sizes: dict[str, int], shape: tuple[int, ...]
 ) -> None:
     got = mesh_shape(world, strategy, sizes)
     assert got is not None and got.sizes() == (1, *shape)
@@ -58,7 +61,7 @@ def test_the_product_is_always_the_world_size(r: int, s: int, t: int, fsdp: bool
         assert shape is not None
         assert shape.dp_replicate * shape.dp_shard * shape.tp == world
         assert all(shape.sizes()[i + 1] == v for i, k in enumerate(
-            ("dp_replicate_size", "dp_shard_size", "tp_size")) if (v := sizes.get(k)))
+            ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")) if (v := sizes.get(k)))
 
 
 @pytest.mark.parametrize(
@@ -70,7 +73,7 @@ def test_the_product_is_always_the_world_size(r: int, s: int, t: int, fsdp: bool
         (4, "ddp", {"dp_replicate_size": 2}, "multiply to 2, not the world size 4"),
         (4, None, {"dp_replicate_size": 2, "dp_shard_size": 1, "tp_size": 1},
          "dp_replicate_size=2, dp_shard_size=1, tp_size=1 (world_size=4) multiply to 2"),
-        (4, None, {"cp_size": 2}, "context parallelism is not available on CPU"),
+        (4, None, {"cp_size": 3}, "cp_size=3 (world_size=4) do not divide"),
         (4, None, {"tp_size": 0}, "tp_size=0 must be an integer >= 1"),
         (4, None, {"tp_size": True}, "tp_size=True must be an integer >= 1"),
     ],
@@ -89,13 +92,13 @@ def test_one_process_block_has_no_mesh_and_ranks_follow_the_sizes() -> None:
         assert (state.dp_rank, state.dp_world_size, state.tp_rank, state.tp_world_size) == (
             0, 1, 0, 1)
     with accel.distributed(tp_size=1, dp_shard_size=1) as state:
-        assert state.mesh_shape == (1, 1, 1, 1) and state.mesh is None
+        assert state.mesh_shape == (1, 1, 1, 1, 1) and state.mesh is None
         with pytest.raises(ConfigError, match="the mesh is made once"), accel.distributed(
             tp_size=2
         ):
             pass
         with accel.distributed(tp_size=1) as inner:  # the same size: accepted
-            assert inner.mesh_shape == (1, 1, 1, 1)
+            assert inner.mesh_shape == (1, 1, 1, 1, 1)
 
 
 def test_sizes_come_from_the_environment_and_the_launcher(
@@ -174,18 +177,21 @@ def test_auto_takes_a_transformers_models_own_plan() -> None:
 
 
 def test_mesh_shape_properties() -> None:
-    shape = MeshShape(2, 2, 2)
-    assert shape.dp_size == 4 and shape.sizes() == (1, 2, 2, 2)
+    shape = MeshShape(2, 2, 1, 2)
+    assert shape.dp_size == 4 and shape.sizes() == (1, 2, 2, 1, 2)
+    assert MeshShape(1, 2, 2, 1, pp=2).sizes() == (2, 1, 2, 2, 1)
 
 
 @pytest.mark.parametrize(
     ("world", "strategy", "sizes", "shape"),
     [
-        (2, None, {"pp_size": 2}, (2, 1, 1, 1)),
-        (4, None, {"pp_size": 2}, (2, 2, 1, 1)),  # the rest replicates without fsdp
-        (4, "fsdp", {"pp_size": 2}, (2, 1, 2, 1)),  # ... and shards under fsdp
-        (4, None, {"pp_size": 2, "dp_shard_size": 2}, (2, 1, 2, 1)),
-        (8, None, {"pp_size": 2, "tp_size": 2, "dp_shard_size": 2}, (2, 1, 2, 2)),
+        (2, None, {"pp_size": 2}, (2, 1, 1, 1, 1)),
+        (4, None, {"pp_size": 2}, (2, 2, 1, 1, 1)),  # the rest replicates without fsdp
+        (4, "fsdp", {"pp_size": 2}, (2, 1, 2, 1, 1)),  # ... and shards under fsdp
+        (4, None, {"pp_size": 2, "dp_shard_size": 2}, (2, 1, 2, 1, 1)),
+        (8, None, {"pp_size": 2, "tp_size": 2, "dp_shard_size": 2}, (2, 1, 2, 1, 2)),
+        (8, "fsdp", {"pp_size": 2, "cp_size": 2}, (2, 1, 2, 2, 1)),  # cp inside each stage
+        (16, None, {"pp_size": 2, "cp_size": 2, "tp_size": 2}, (2, 2, 1, 2, 2)),
     ],
 )
 def test_pp_is_the_outermost_dim(
@@ -202,7 +208,7 @@ def test_bad_pp_sizes_are_refused_and_ranks_follow_the_mesh(
         mesh_shape(4, None, {"pp_size": 3})
     with pytest.raises(ConfigError, match="pp_size=0 must be an integer >= 1"):
         mesh_shape(4, None, {"pp_size": 0})
-    with pytest.raises(ConfigError, match=r"pp_size=2 .world_size=8. multiply to 4, not the"):
+    with pytest.raises(ConfigError, match=r"pp_size=2, dp_replicate_size=2 .world_size=8. mult"):
         mesh_shape(8, None, {"pp_size": 2, "dp_replicate_size": 2})
     with pytest.raises(ConfigError, match="pp_size"), accel.distributed(pp_sizes=2):
         pass
@@ -211,12 +217,20 @@ def test_bad_pp_sizes_are_refused_and_ranks_follow_the_mesh(
         pass
     monkeypatch.delenv("ACCEL_PP_SIZE")
     with accel.distributed(pp_size=1) as state:
-        assert state.mesh_shape == (1, 1, 1, 1)
+        assert state.mesh_shape == (1, 1, 1, 1, 1)
         assert (state.pp_rank, state.pp_world_size) == (0, 1)
-    four = ProcessState(rank=3, world_size=4, mesh_shape=(2, 2, 1, 1))
+    four = ProcessState(rank=3, world_size=4, mesh_shape=(2, 2, 1, 1, 1))
     assert (four.pp_rank, four.pp_world_size, four.dp_rank, four.dp_world_size) == (1, 2, 1, 2)
-    eight = ProcessState(rank=5, world_size=8, mesh_shape=(2, 1, 2, 2))
+    eight = ProcessState(rank=5, world_size=8, mesh_shape=(2, 1, 2, 1, 2))
     assert (eight.pp_rank, eight.dp_rank, eight.dp_world_size, eight.tp_rank) == (1, 0, 2, 1)
+    # pp x dp_shard x cp: a cp group's ranks share a dp_rank (the same batches) in each stage
+    cp = [ProcessState(rank=r, world_size=8, mesh_shape=(2, 1, 2, 2, 1)) for r in range(8)]
+    assert [(s.pp_rank, s.dp_rank, s.cp_rank) for s in cp] == [
+        (p, d, c) for p in range(2) for d in range(2) for c in range(2)]
+    assert {(s.dp_world_size, s.cp_world_size, s.pp_world_size, s.tp_world_size)
+            for s in cp} == {(2, 2, 2, 1)}
+    big = ProcessState(rank=13, world_size=16, mesh_shape=(2, 1, 2, 2, 2))
+    assert (big.pp_rank, big.dp_rank, big.cp_rank, big.tp_rank) == (1, 1, 0, 1)
     parser = argparse.ArgumentParser()
     add_launch_options(parser)
     for flags in (["--pp-size", "2"], ["--pp_size", "2"]):

@@ -1,6 +1,6 @@
 """autocast() and the mixed precision policy, on CPU (bf16 and fp16 really run reduced).
 
-The units themselves (registry, GradScaler life, fp8's note): test_precision_units.py.
+The units themselves (registry, GradScaler life): test_precision_units.py; fp8: test_fp8.py.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ def test_autocast_overrides() -> None:
             assert _matmul_dtype() == torch.float32
 
 
-@pytest.mark.filterwarnings("ignore:mixed_precision='fp8' runs as bf16:UserWarning")
 def test_autocast_dtype_policy() -> None:
     assert precision_for("no").forward_dtype() is None
     assert precision_for("bf16").forward_dtype() is torch.bfloat16

@@ -1,9 +1,9 @@
 """The precision units: one per mode, chosen by the registry, owning autocast, the prepared
-forward, FSDP's policy and master weights, the GradScaler's life and fp8's note."""
+forward, FSDP's policy and master weights, the GradScaler's life (fp8's own layers:
+test_fp8.py)."""
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,10 +16,10 @@ from torch import nn
 
 import accel
 from accel.core.scope import Scope, scope
-from accel.core.settings import FP8_NOTE, MIXED_PRECISION_MODES
+from accel.core.settings import MIXED_PRECISION_MODES
 from accel.core.state import ProcessState, set_state
 from accel.errors import ConfigError
-from accel.precision import fp8, registry
+from accel.precision import registry
 from accel.precision.base import Precision
 from accel.precision.casting import AutocastForward
 from accel.precision.half import BFloat16, Float16, HalfPrecision
@@ -27,21 +27,12 @@ from accel.precision.registry import PRECISIONS, precision_for
 from accel.precision.scaling import load_scaler_state_dict, scaler_state_dict
 
 A = torch.ones(4, 4)
-NO_FP8_NOTE = pytest.mark.filterwarnings("ignore:mixed_precision='fp8' runs as bf16:UserWarning")
 
 
 @contextmanager
 def fake(mode: str) -> Iterator[ProcessState]:
     with set_state(ProcessState(mixed_precision=mode), Scope()) as st:  # type: ignore[arg-type]
         yield st
-
-
-@pytest.fixture
-def fresh_fp8_note(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """fp8's note not yet said in this process (the real flag is left as it was)."""
-    event = threading.Event()
-    monkeypatch.setattr(fp8, "_SAID", event)
-    return event
 
 
 # -- the registry -------------------------------------------------------------------------
@@ -54,7 +45,7 @@ def test_every_mode_has_its_unit() -> None:
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
             unit.mode = "x"  # type: ignore[misc]
     assert type(precision_for("no")) is Precision
-    assert type(precision_for("fp8")).__mro__[1] is BFloat16  # fp8 runs as bf16 for now
+    assert type(precision_for("fp8")).__mro__[1] is BFloat16  # bf16 around its float8 layers
 
 
 def test_an_unknown_mode_names_the_choices() -> None:
@@ -91,7 +82,6 @@ def test_a_new_mode_is_one_registry_entry(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 # -- autocast, the prepared forward, FSDP -------------------------------------------------
-@NO_FP8_NOTE
 @pytest.mark.parametrize(
     ("mode", "dtype"),
     [("no", None), ("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp8", torch.bfloat16)],
@@ -116,7 +106,6 @@ def test_each_unit_casts_in_its_dtype(mode: str, dtype: torch.dtype | None) -> N
         )
 
 
-@NO_FP8_NOTE
 def test_master_weights_are_upcast_only_under_mixed_precision() -> None:
     def model() -> nn.Sequential:
         net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)).to(torch.bfloat16)
@@ -151,7 +140,6 @@ def test_no_wrapper_under_full_precision() -> None:
 
 
 # -- the GradScaler's life ----------------------------------------------------------------
-@NO_FP8_NOTE
 @pytest.mark.parametrize("mode", ["no", "bf16", "fp8"])
 def test_only_fp16_makes_a_scaler(mode: str) -> None:
     unit = precision_for(mode)
@@ -217,57 +205,14 @@ def test_the_scaler_state_goes_with_the_scope() -> None:
         assert scaler_state_dict() == saved
 
 
-# -- fp8's note ---------------------------------------------------------------------------
-def _fp8_notes(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
-    return [w for w in caught if str(w.message) == FP8_NOTE]
-
-
-def test_fp8_says_it_runs_as_bf16_once_per_process_at_first_use(
-    fresh_fp8_note: threading.Event,
-) -> None:
+# -- fp8 says nothing about bf16 any more --------------------------------------------------
+def test_fp8_autocast_is_bf16_and_says_nothing() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with accel.distributed(mixed_precision="fp8") as st:  # choosing the mode says nothing
+        with accel.distributed(mixed_precision="fp8") as st, accel.autocast():
             assert st.mixed_precision == "fp8"
-            assert not _fp8_notes(caught) and not fresh_fp8_note.is_set()
-            with accel.autocast():  # the first use: said here, pointing at this line
-                assert (A @ A).dtype == torch.bfloat16
-            model = accel.prepare_model(nn.Linear(4, 4))
-            assert model(torch.ones(1, 4)).dtype == torch.float32
-            with accel.distributed(mixed_precision="fp8"), accel.autocast():
-                pass
-    said = _fp8_notes(caught)
-    assert len(said) == 1 and said[0].category is UserWarning
-    assert "'fp8' runs as bf16 autocast" in str(said[0].message)
-    assert said[0].filename == __file__
-    assert fresh_fp8_note.is_set()
-
-
-@pytest.mark.parametrize("first_use", ["prepare_model", "forward"])
-def test_fp8_note_points_at_the_users_line(
-    fresh_fp8_note: threading.Event, first_use: str
-) -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if first_use == "prepare_model":
-            with fake("fp8"):
-                accel.prepare_model(nn.Linear(2, 2))
-        else:  # prepared under bf16, run in an fp8 block: said by the forward's first call
-            with fake("bf16"):
-                model = accel.prepare_model(nn.Linear(2, 2))
-            with fake("fp8"):
-                model(torch.ones(1, 2))
-    said = _fp8_notes(caught)
-    assert len(said) == 1 and said[0].filename == __file__
-
-
-def test_bf16_gives_no_fp8_note(fresh_fp8_note: threading.Event) -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with accel.distributed(mixed_precision="bf16"), accel.autocast():
-            accel.prepare_model(nn.Linear(2, 2))(torch.ones(1, 2))
-    assert not _fp8_notes(caught)
-    assert not fresh_fp8_note.is_set()
+            assert (A @ A).dtype == torch.bfloat16
+    assert not [w for w in caught if "runs as bf16" in str(w.message)]
 
 
 def _units_are_stateless(unit: Any) -> bool:
