@@ -227,6 +227,10 @@ def save_state(
     """
     begin("save_state")
     st = state()
+    if st.strategy == "deepspeed":
+        from accel.parallel.deepspeed.engine import refuse_checkpoints
+
+        raise refuse_checkpoints("save_state")
     scaler = scope().grad_scaler
     own: AccelError | None = None
     try:  # arguments only: every rank that passed the same ones meets the same error
@@ -404,6 +408,10 @@ def load_state(
         >>> start = info.step if info else 0
     """
     begin("load_state")
+    if state().strategy == "deepspeed":
+        from accel.parallel.deepspeed.engine import refuse_checkpoints
+
+        raise refuse_checkpoints("load_state")
     finish_pending()  # an asynchronous save completes (or fails) before anything is read
     names, explicit = _agreed_candidates(directory, objects, missing_ok, on_each_node)
     if not names or not explicit:  # perhaps written by HuggingFace Accelerate's save_state

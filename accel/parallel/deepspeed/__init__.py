@@ -4,11 +4,10 @@
   with accel's shortcuts applied and every ``"auto"`` value filled from accel's settings;
 - :mod:`~accel.parallel.deepspeed.engine`: ``deepspeed.initialize`` from ``accel.prepare`` and
   the training hooks (backward, the prepared optimizer, clipping, unwrapping);
-- :mod:`~accel.parallel.deepspeed.weights`: full weights of a ZeRO-3 model;
-- :mod:`~accel.parallel.deepspeed.state`: ``save_state``/``load_state`` in accel's own format
-  (fp32 master weights and optimizer state by parameter name);
-- :mod:`~accel.parallel.deepspeed.native`: DeepSpeed's own checkpoint directories read
-  without executing pickle.
+- :mod:`~accel.parallel.deepspeed.weights`: full weights of a ZeRO-3 model.
+
+Not written yet: ``save_state``/``load_state`` under DeepSpeed (refused with a ConfigError)
+and reading DeepSpeed's own checkpoint directories.
 
 Nothing here imports ``deepspeed`` at module level: it loads when a model is prepared.
 """

@@ -44,6 +44,7 @@ __all__ = [
     "initialize",
     "inner_module",
     "refuse",
+    "refuse_checkpoints",
     "step",
 ]
 
@@ -116,6 +117,22 @@ def refuse(what: str) -> ConfigError:
         f"{what} is not available under strategy='deepspeed'. Pass the model with its optimizer "
         "and data loader to `accel.prepare(model, optimizer, loader, scheduler)`, which hands "
         "them to `deepspeed.initialize`; see docs/deepspeed.md."
+    )
+
+
+def refuse_checkpoints(what: str) -> ConfigError:
+    """The error for ``save_state``/``load_state`` under DeepSpeed (not written yet: a plain
+    save would store the engine's partitions as if they were the weights).
+
+    Example:
+        >>> raise refuse_checkpoints("save_state")
+    """
+    return ConfigError(
+        f"accel.{what} does not support strategy='deepspeed' yet: accel's checkpoint of a "
+        "DeepSpeed run (fp32 master weights and optimizer state by parameter name) is not "
+        "written. Save the weights with `accel.save_model(model, dir)` (full weights, every "
+        "rank), or use DeepSpeed's own `model.save_checkpoint(dir)` / "
+        "`model.load_checkpoint(dir)` on the engine `accel.prepare` returned."
     )
 
 
