@@ -173,8 +173,6 @@ def _errors_run(config_path: str) -> list[str]:
     assert torch.isnan(norm) or norm >= 0
     with pytest.raises(ConfigError, match="clip_grad_value_"):
         accel.clip_grad_value_(model.parameters(), 1.0)
-    with pytest.raises(ConfigError, match=r"save_state does not support strategy='deepspeed'"):
-        accel.save_state(config_path + ".ckpt", model=model, optimizer=opt)
     with pytest.raises(ConfigError, match="one engine per block"):
         accel.prepare(_net(), torch.optim.SGD(_net().parameters(), lr=0.1))
     caught.append(config_path)

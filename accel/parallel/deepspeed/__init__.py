@@ -4,10 +4,11 @@
   with accel's shortcuts applied and every ``"auto"`` value filled from accel's settings;
 - :mod:`~accel.parallel.deepspeed.engine`: ``deepspeed.initialize`` from ``accel.prepare`` and
   the training hooks (backward, the prepared optimizer, clipping, unwrapping);
-- :mod:`~accel.parallel.deepspeed.weights`: full weights of a ZeRO-3 model.
+- :mod:`~accel.parallel.deepspeed.weights`: full weights of a ZeRO-3 model;
+- :mod:`~accel.parallel.deepspeed.checkpoint`: ``save_state``/``load_state`` in accel's own
+  format, the engine's state given and taken as one plain process's model and optimizer.
 
-Not written yet: ``save_state``/``load_state`` under DeepSpeed (refused with a ConfigError)
-and reading DeepSpeed's own checkpoint directories.
+Not written yet: reading DeepSpeed's own checkpoint directories (``engine.save_checkpoint``).
 
 Nothing here imports ``deepspeed`` at module level: it loads when a model is prepared.
 """

@@ -44,7 +44,6 @@ __all__ = [
     "initialize",
     "inner_module",
     "refuse",
-    "refuse_checkpoints",
     "step",
 ]
 
@@ -64,6 +63,9 @@ class EngineRun:
     config: dict[str, Any]
     clip_from_loop: bool
     user_optimizer: Any = None
+    groups: list[list[nn.Parameter]] = attrs.Factory(list)
+    """The parameters of each optimizer group as the user built them (DeepSpeed replaces
+    them with flat partitions): a checkpoint keeps the optimizer state in this order."""
 
 
 _RUN: ScopeSlot[EngineRun] = ScopeSlot("accel.parallel.deepspeed engine")
@@ -117,22 +119,6 @@ def refuse(what: str) -> ConfigError:
         f"{what} is not available under strategy='deepspeed'. Pass the model with its optimizer "
         "and data loader to `accel.prepare(model, optimizer, loader, scheduler)`, which hands "
         "them to `deepspeed.initialize`; see docs/deepspeed.md."
-    )
-
-
-def refuse_checkpoints(what: str) -> ConfigError:
-    """The error for ``save_state``/``load_state`` under DeepSpeed (not written yet: a plain
-    save would store the engine's partitions as if they were the weights).
-
-    Example:
-        >>> raise refuse_checkpoints("save_state")
-    """
-    return ConfigError(
-        f"accel.{what} does not support strategy='deepspeed' yet: accel's checkpoint of a "
-        "DeepSpeed run (fp32 master weights and optimizer state by parameter name) is not "
-        "written. Save the weights with `accel.save_model(model, dir)` (full weights, every "
-        "rank), or use DeepSpeed's own `model.save_checkpoint(dir)` / "
-        "`model.load_checkpoint(dir)` on the engine `accel.prepare` returned."
     )
 
 
@@ -244,6 +230,10 @@ def initialize(
     _give_local_rank(st.local_rank)
     _one_process_group()
     kwargs: dict[str, Any] = {"model": model, "config": dict(resolved.config)}
+    groups = (
+        [list(g["params"]) for g in optimizer.param_groups] if optimizer is not None
+        else [[p for p in model.parameters() if p.requires_grad]]
+    )
     if optimizer is not None:
         kwargs["optimizer"] = optimizer
     else:
@@ -252,7 +242,7 @@ def initialize(
     prepare_forward(engine.module)  # autocast in, fp32 out, as for DDP and FSDP
     run = EngineRun(
         engine=engine, config=dict(resolved.config), clip_from_loop=resolved.clip_from_loop,
-        user_optimizer=optimizer,
+        user_optimizer=optimizer, groups=groups,
     )
     _RUN.set(run)
     return run

@@ -2,7 +2,7 @@
 ranks, so each one is gathered in turn (``deepspeed.zero.GatheredParameters``), onto the CPU.
 
 The fp32 master weights and optimizer state by name (for checkpoints) are
-:mod:`~accel.parallel.deepspeed.state`'s.
+:mod:`~accel.parallel.deepspeed.checkpoint`'s.
 """
 
 from __future__ import annotations
