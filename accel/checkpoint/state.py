@@ -248,7 +248,12 @@ def save_state(
     job = _saving.start(directory, checked_step, total_limit, each, list(objects), call, own)
 
     def plan() -> list[PlannedFile]:
-        return _saving.plan_rank_files(job.tmp, objects, st.rank, job.writer, get_rng_state())
+        saved = objects
+        if st.strategy == "deepspeed" and own is None:  # the engine's state by parameter name
+            from accel.parallel.deepspeed.checkpoint import plain_objects
+
+            saved = plain_objects(objects, gather=True)  # collectives: every rank, in order
+        return _saving.plan_rank_files(job.tmp, saved, st.rank, job.writer, get_rng_state())
 
     if async_save:
         launch(job, plan)
@@ -406,6 +411,10 @@ def load_state(
     begin("load_state")
     finish_pending()  # an asynchronous save completes (or fails) before anything is read
     names, explicit = _agreed_candidates(directory, objects, missing_ok, on_each_node)
+    if state().strategy == "deepspeed":  # stand-ins that write into the engine when loaded
+        from accel.parallel.deepspeed.checkpoint import plain_objects
+
+        objects = plain_objects(objects, gather=False)
     if not names or not explicit:  # perhaps written by HuggingFace Accelerate's save_state
         from accel.checkpoint import accelerate_format as hf
 

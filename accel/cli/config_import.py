@@ -53,7 +53,26 @@ _SAGEMAKER = (
     "pytorch_version", "transformers_version", "py_version", "sagemaker_inputs_file",
     "sagemaker_metrics_file", "additional_args",
 )
-_STRATEGY = {"NO": "none", "MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "FSDP": "fsdp"}
+_STRATEGY = {
+    "NO": "none", "MULTI_GPU": "ddp", "MULTI_CPU": "ddp", "FSDP": "fsdp",
+    "DEEPSPEED": "deepspeed",
+}
+# Accelerate's deepspeed_config keys that are accel settings
+_DEEPSPEED = {
+    "deepspeed_config_file": "deepspeed_config", "zero_stage": "zero_stage",
+    "offload_optimizer_device": "offload_optimizer", "offload_param_device": "offload_params",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "gradient_clipping",
+}
+_DEEPSPEED_REASONS = {
+    "zero3_init_flag": "not supported yet: the model is built whole on each process and "
+    "deepspeed.initialize partitions it",
+    "zero3_save_16bit_model": "accel.save_model under ZeRO-3 gathers the full weights anyway",
+    "deepspeed_multinode_launcher": "accel launch runs torchrun on each machine",
+    "deepspeed_hostfile": "accel launch runs torchrun on each machine (no hostfile)",
+    "deepspeed_exclusion_filter": "accel launch runs torchrun on each machine (no hostfile)",
+    "deepspeed_inclusion_filter": "accel launch runs torchrun on each machine (no hostfile)",
+}
 _DIRECT = {
     "num_processes": "num_processes", "num_machines": "num_machines",
     "machine_rank": "machine_rank", "main_process_ip": "main_process_ip",
@@ -229,6 +248,27 @@ def _fp8(config: Any, origin: str, settings: dict[str, object]) -> list[Outcome]
     return found
 
 
+def _deepspeed(config: Any, origin: str, settings: dict[str, object]) -> list[Outcome]:
+    """``deepspeed_config``: the config file, ZeRO stage, offload devices and clipping."""
+    if not isinstance(config, Mapping):
+        return [Outcome("deepspeed_config", config, "not imported", reason="not a mapping")]
+    found = []
+    for key, value in config.items():
+        name = f"deepspeed_config.{key}"
+        accel_key = _DEEPSPEED.get(str(key))
+        if accel_key is not None and value is not None:
+            settings[accel_key] = _validated(accel_key, value, f"{origin}: {name}")
+            found.append(Outcome(name, value, "mapped", accel_key, "", settings[accel_key]))
+        elif value in (None, False, "none", ""):
+            found.append(Outcome(name, value, "not needed", reason="off in accel too"))
+        else:
+            reason = _DEEPSPEED_REASONS.get(str(key), "a DeepSpeed option without an accel "
+                                            "key: put it in the DeepSpeed JSON config "
+                                            "(deepspeed_config)")
+            found.append(Outcome(name, _shown(value), "not imported", reason=reason))
+    return found
+
+
 def _validated(accel_key: str, value: Any, where: str) -> object:
     """``validate_setting``, refusing first a value too long for any setting (the error
     message would quote it whole)."""
@@ -277,7 +317,6 @@ def _other(key: str, value: Any) -> Outcome:
         "with the dynamo options",
         "dynamo_backend": "no config key: pass `accel.prepare_model(model, compile={'backend': "
         "...})`",
-        "deepspeed_config": "accel has no DeepSpeed integration; use DDP or FSDP",
         "megatron_lm_config": "accel has no Megatron-LM integration",
         "parallelism_config": "not a mapping of parallelism_config_* sizes",
         "mpirun_config": "run `mpirun -hostfile F -n N python train.py` yourself; "
@@ -333,7 +372,7 @@ def map_keys(data: Mapping[str, Any], origin: str) -> tuple[dict[str, object], l
             mapped = _STRATEGY.get("NO" if value is False else str(value).upper())
             if mapped is None:
                 outcomes.append(Outcome(key, value, "not imported", reason=(
-                    "accel runs DDP or FSDP on CUDA GPUs and CPUs only (no DeepSpeed, "
+                    "accel runs DDP, FSDP or DeepSpeed on CUDA GPUs and CPUs only (no "
                     "Megatron-LM, XLA/TPU or other devices)")))
             else:
                 setting(key, mapped, "strategy")
@@ -359,6 +398,9 @@ def map_keys(data: Mapping[str, Any], origin: str) -> tuple[dict[str, object], l
                 outcomes.append(Outcome(
                     "fsdp_config.fsdp_activation_checkpointing", True, "mapped",
                     "activation_checkpointing", "the blocks FSDP shards", True))
+        elif key == "deepspeed_config":
+            outcomes += _deepspeed(value, origin, settings) if value else [
+                Outcome(key, value, "not needed", reason="empty")]
         elif key == "fp8_config":
             outcomes += _fp8(value, origin, settings) if value else [
                 Outcome(key, value, "not needed", reason="empty")]

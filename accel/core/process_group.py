@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.util
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -164,7 +165,11 @@ def distributed(
             ``accel[fp8]``; recipe ``fp8_recipe=`` below). Checked here; what each mode does
             is its unit's, in ``accel.precision``.
         gradient_accumulation_steps: optimizer steps happen every this many batches.
-        strategy: ``"none"``, ``"ddp"`` or ``"fsdp"``; default ddp with several processes.
+        strategy: ``"none"``, ``"ddp"``, ``"fsdp"`` or ``"deepspeed"`` (DeepSpeed's engine
+            from the user's config, extra ``accel[deepspeed]``: ``deepspeed_config=`` a JSON
+            path or dict, ``zero_stage=``, ``offload_optimizer=``, ``offload_params=``,
+            ``gradient_clipping=``, see ``docs/deepspeed.md``); default ddp with several
+            processes.
         cpu: run on the CPU even when CUDA is available.
         timeout: seconds (or a timedelta) before a collective gives up; default 30 minutes.
             A nested block can shorten it for accel's own waits (debug-mode checks); the
@@ -293,6 +298,8 @@ def _start(
         changes = {**changes, "strategy": "fsdp"}
     method = _cp_method(env.cp_method, device) if shape is not None and shape.cp > 1 else None
     policy = resolve_policy(env, world_size=world, **changes)
+    if policy["strategy"] == "deepspeed":
+        _require_deepspeed()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     created = False
@@ -319,6 +326,17 @@ def _start(
         **policy,
     )
     return current, created
+
+
+def _require_deepspeed() -> None:
+    """Refuse ``strategy="deepspeed"`` at once when DeepSpeed is not installed (nothing is
+    imported here: ``accel.parallel.deepspeed`` imports it when the model is prepared)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(
+            "strategy='deepspeed' needs DeepSpeed, which is not installed. Install the extra: "
+            "`pip install 'accel[deepspeed]'` (DeepSpeed 0.19.8), or choose another strategy, "
+            "e.g. `accel.distributed(strategy='fsdp')`."
+        )
 
 
 def _check_cp_method(method: object, where: str) -> CpMethod:

@@ -28,6 +28,7 @@ __all__ = [
     "DDP_HOOK_KEYS",
     "DDP_KEYWORDS",
     "FSDP_KEYS",
+    "DEEPSPEED_KEYS",
     "DEFAULT_CPU_PROCESSES",
     "DEFAULT_PORT",
     "DEFAULT_TIMEOUT_S",
@@ -36,6 +37,7 @@ __all__ = [
     "FP8_RECIPES",
     "MIXED_PRECISION_MODES",
     "MODEL_KEYS",
+    "OFFLOAD_DEVICES",
     "POLICY_KEYS",
     "POWER_SGD_OPTIONS",
     "PRECISION_CODE_KEYS",
@@ -56,7 +58,7 @@ __all__ = [
 ]
 
 MixedPrecision = Literal["no", "fp16", "bf16", "fp8"]
-Strategy = Literal["none", "ddp", "fsdp"]
+Strategy = Literal["none", "ddp", "fsdp", "deepspeed"]
 CpMethod = Literal["alltoall", "ring"]
 CP_METHODS: tuple[str, ...] = get_args(CpMethod)
 """How attention is split under context parallelism: heads all-to-all, or torch's ring."""
@@ -136,6 +138,13 @@ DDP_HOOK_KEYS = ("comm_hook", "comm_wrapper", "comm_state_option", "comm_state")
 """A communication hook with its wrapper and state (a callable or an object: code only)."""
 FSDP_KEYS = ("shard_modules", "reshard_after_forward", "cpu_offload")
 """The strategy options of ``strategy="fsdp"``."""
+DEEPSPEED_KEYS = (
+    "deepspeed_config", "zero_stage", "offload_optimizer", "offload_params", "gradient_clipping",
+)
+"""The options of ``strategy="deepspeed"`` (``accel.parallel.deepspeed`` reads them from
+``accel.state().options``; ``deepspeed_config`` may also be a dict there)."""
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+"""Where DeepSpeed's ZeRO offloads optimizer states or parameters."""
 COMM_HOOKS = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")
 COMM_WRAPPERS = ("no", "fp16", "bf16")
 POWER_SGD_OPTIONS: Mapping[str, tuple[type, int]] = {
@@ -217,8 +226,8 @@ class Spec:
 
     ``layer`` says who reads it: ``"launch"`` (``accel launch`` only), ``"policy"``
     (``accel.distributed()``, also as an ``ACCEL_*`` variable), ``"ddp"`` (a DDP option) or
-    ``"model"`` (a ``prepare_model`` option run-wide: ``accel.state().options``, also as an
-    ``ACCEL_*`` variable). Kind ``"blocks"`` is true/false or module class names.
+    ``"model"`` (a ``prepare_model`` or engine option run-wide: ``accel.state().options``,
+    also as an ``ACCEL_*`` variable). Kind ``"blocks"`` is true/false or module class names.
     """
 
     kind: Kind
@@ -253,7 +262,8 @@ SETTINGS: Mapping[str, Spec] = {
         "int", "batches per optimizer step", 1, minimum=1, layer="policy"
     ),
     "strategy": Spec(
-        "choice", "how models are wrapped (default: ddp with several processes, else none)",
+        "choice", "how models are wrapped: none, ddp, fsdp or deepspeed (default: ddp with several "
+        "processes, else none)",
         choices=STRATEGIES, layer="policy",
     ),
     "backend": Spec(
@@ -322,6 +332,26 @@ SETTINGS: Mapping[str, Spec] = {
     "fp8_recipe": Spec(
         "choice", "torchao float8 recipe under mixed_precision='fp8'", "tensorwise",
         choices=FP8_RECIPES, layer="model",
+    ),
+    # DeepSpeed (strategy="deepspeed"; read by accel.parallel.deepspeed, also as ACCEL_<KEY>)
+    "deepspeed_config": Spec(
+        "str", "DeepSpeed: the JSON config file (strategy deepspeed)", layer="model",
+    ),
+    "zero_stage": Spec(
+        "int", "DeepSpeed: ZeRO stage 0-3 (fills or checks the config's)", minimum=0,
+        maximum=3, layer="model",
+    ),
+    "offload_optimizer": Spec(
+        "choice", "DeepSpeed: where ZeRO offloads optimizer states", choices=OFFLOAD_DEVICES,
+        layer="model",
+    ),
+    "offload_params": Spec(
+        "choice", "DeepSpeed: where ZeRO-3 offloads parameters", choices=OFFLOAD_DEVICES,
+        layer="model",
+    ),
+    "gradient_clipping": Spec(
+        "float", "DeepSpeed: the gradient norm clip its 'auto' takes (0: none)",
+        layer="model",
     ),
 }
 """Every config key, its kind, meaning, default (``None``: decided at run time) and limits."""

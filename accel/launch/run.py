@@ -25,6 +25,7 @@ import attrs
 from accel.core.config_file import config_path, load_config
 from accel.core.env import LaunchEnv, read_launch_env, read_variable
 from accel.core.settings import (
+    DEEPSPEED_KEYS,
     DEFAULT_CPU_PROCESSES,
     DEFAULT_PORT,
     ENV_PREFIX,
@@ -118,6 +119,22 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     policy.add_argument("--use-fsdp", "--use_fsdp", action="store_true",
                         help="same as --strategy fsdp (Accelerate's spelling)")
     policy.add_argument("--backend", metavar="B", help="gloo, nccl, ... (default: by device)")
+    deepspeed = parser.add_argument_group("DeepSpeed (strategy deepspeed; see docs/deepspeed.md)")
+    deepspeed.add_argument("--use-deepspeed", "--use_deepspeed", action="store_true",
+                           help="same as --strategy deepspeed (Accelerate's spelling)")
+    deepspeed.add_argument("--deepspeed-config-file", "--deepspeed_config_file",
+                           dest="deepspeed_config", metavar="F",
+                           help="the DeepSpeed JSON config (its \"auto\" values filled by accel)")
+    deepspeed.add_argument("--zero-stage", "--zero_stage", type=int, metavar="N",
+                           help="ZeRO stage 0-3")
+    deepspeed.add_argument("--offload-optimizer-device", "--offload_optimizer_device",
+                           dest="offload_optimizer", metavar="D",
+                           help="none, cpu or nvme: where ZeRO keeps optimizer states")
+    deepspeed.add_argument("--offload-param-device", "--offload_param_device",
+                           dest="offload_params", metavar="D",
+                           help="none, cpu or nvme: where ZeRO-3 keeps parameters")
+    deepspeed.add_argument("--gradient-clipping", "--gradient_clipping", type=float,
+                           metavar="X", help="the gradient norm clip of the config's \"auto\"")
     policy.add_argument("--cpu", action="store_true", default=None,
                         help="run on the CPU even where GPUs are available")
     policy.add_argument("--debug", action="store_true", default=None,
@@ -152,7 +169,9 @@ def command_line_settings(ns: argparse.Namespace) -> dict[str, object]:
     """
     get = vars(ns).get
     machines = get("nnodes")
-    strategy = get("strategy") or ("fsdp" if get("use_fsdp") else None)
+    strategy = get("strategy") or (
+        "fsdp" if get("use_fsdp") else "deepspeed" if get("use_deepspeed") else None
+    )
     out: dict[str, object] = {
         "num_machines": None if machines is None or ":" in str(machines) else machines,
         "num_processes": get("num_processes"),
@@ -170,6 +189,7 @@ def command_line_settings(ns: argparse.Namespace) -> dict[str, object]:
         "timeout": get("timeout"),
         **{key: get(key) for key in ("dp_replicate_size", "dp_shard_size", "tp_size",
                                      "cp_size", "pp_size", "cp_method")},
+        **{key: get(key) for key in DEEPSPEED_KEYS},
     }
     return {key: value for key, value in out.items() if value is not None}
 

@@ -94,6 +94,11 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
             "Pass the tensor the loss function returned, e.g. `accel.backward(loss)`."
         )
     st = state()
+    if st.strategy == "deepspeed":  # the engine divides by the steps and scales fp16 itself
+        from accel.parallel.deepspeed.engine import backward as engine_backward
+
+        engine_backward(loss, **kwargs)
+        return
     steps = st.gradient_accumulation_steps
     if steps > 1:
         loss = loss / steps

@@ -212,7 +212,7 @@ def prepare_model(
     model: nn.Module,
     *,
     device_placement: bool = True,
-    strategy: Literal["none", "ddp", "fsdp"] | None = None,
+    strategy: Literal["none", "ddp", "fsdp", "deepspeed"] | None = None,
     compile: bool | Literal["regional"] | Mapping[str, Any] = False,
     evaluation_mode: bool = False,
     activation_checkpointing: bool | BlockSpec | Iterable[BlockSpec] | None = None,
@@ -325,6 +325,10 @@ def prepare_model(
     if existing is not None:
         return existing
     chosen = _resolve_strategy(strategy)
+    if chosen == "deepspeed":
+        from accel.parallel.deepspeed.engine import refuse
+
+        raise refuse("accel.prepare_model(model) on its own")
     st = state()
     checkpointing = _checkpointing_choice(activation_checkpointing, st.options)
     if pp_plan is not None or st.pp_world_size > 1:
@@ -410,6 +414,10 @@ def unwrap_model(model: nn.Module, *, keep_fp32_wrapper: bool = True) -> nn.Modu
             model = model.module
             continue
         inner = _compiled_inner(model)
+        if inner is None and "deepspeed" in sys.modules:
+            from accel.parallel.deepspeed.engine import inner_module
+
+            inner = inner_module(model)
         if inner is None:
             break
         model = inner

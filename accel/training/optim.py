@@ -145,8 +145,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
     # -- the hot path --------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Zero the gradients, except while gradients are being accumulated."""
-        if not scope().sync_gradients:
-            return
+        if not scope().sync_gradients or state().strategy == "deepspeed":
+            return  # DeepSpeed's engine zeroes the gradients in its step
         if set_to_none is None:
             self.optimizer.zero_grad()
         else:
@@ -160,9 +160,14 @@ class PreparedOptimizer(torch.optim.Optimizer):
         on every TP rank) beside DTensor ones, and a ``foreach`` optimizer step refuses the mix
         otherwise.
         """
+        st = state()
+        if st.strategy == "deepspeed":  # the engine steps (and counts its micro-steps)
+            from accel.parallel.deepspeed.engine import step as engine_step
+
+            engine_step(self)
+            return None
         if not scope().sync_gradients:
             return None
-        st = state()
         # the unit straight from the registry (the mode was checked when the state was made):
         # this runs every step, and each Python call frame costs ~0.1 us
         unit = PRECISIONS[st.mixed_precision]
@@ -250,7 +255,10 @@ def prepare_optimizer(optimizer: Any, *, device_placement: bool = True) -> Prepa
             "`accel.prepare_optimizer(torch.optim.AdamW(model.parameters()))`."
         )
     st = state()
-    scaler = precision_for(st.mixed_precision).optimizer_scaler()
+    # under DeepSpeed the engine scales fp16 losses itself
+    scaler = None if st.strategy == "deepspeed" else (
+        precision_for(st.mixed_precision).optimizer_scaler()
+    )
     check_optimizer_parameters(optimizer)
     if device_placement:
         _place_state(optimizer, st.device)
@@ -355,6 +363,10 @@ def clip_grad_norm_(
         >>> optimizer.step()
     """
     params = _as_list(parameters)
+    if state().strategy == "deepspeed":  # the engine clips inside its step
+        from accel.parallel.deepspeed.engine import clip_grad_norm
+
+        return clip_grad_norm(max_norm, norm_type)
     sc = scope()
     if not sc.sync_gradients:
         norm = clip_by_total_norm(params, None, norm_type)
@@ -377,6 +389,10 @@ def clip_grad_value_(parameters: Params, clip_value: float) -> None:
         >>> accel.backward(loss)
         >>> accel.clip_grad_value_(model.parameters(), 0.5)
     """
+    if state().strategy == "deepspeed":
+        from accel.parallel.deepspeed.engine import refuse
+
+        raise refuse("accel.clip_grad_value_ (DeepSpeed clips the norm: gradient_clipping)")
     if not scope().sync_gradients:
         return
     unscale_gradients()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -52,6 +53,11 @@ def get_state_dict(model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.
     sharded = _full_weights.sharded_state(target)
     if sharded is not None:
         return _full_weights.gather(sharded)
+    if "deepspeed" in sys.modules:  # ZeRO-3: each parameter gathered from its partitions
+        from accel.parallel.deepspeed.weights import gathered_state_dict, is_partitioned
+
+        if is_partitioned(target):
+            return gathered_state_dict(target)
     return {k: v.detach() for k, v in target.state_dict().items()}
 
 

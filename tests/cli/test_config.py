@@ -34,7 +34,7 @@ from accel.launch.config import Resolved, default_settings, resolve_settings
         ("main_process_port", 70000, "<= 65535"),
         ("cpu", "maybe", "true or false"),
         ("timeout", -1.0, "> 0"),
-        ("strategy", "deepspeed", "['none', 'ddp', 'fsdp']"),
+        ("strategy", "megatron", "['none', 'ddp', 'fsdp', 'deepspeed']"),
     ],
 )
 def test_invalid_values_name_key_value_and_choices(key: str, value: object, allowed: str) -> None:

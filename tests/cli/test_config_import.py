@@ -160,20 +160,38 @@ def test_fsdp1_options_are_explained(
         assert f"  fsdp_config.{words}" in out, (words, out)
 
 
-def test_deepspeed_is_not_imported_and_the_rest_is(
+def test_deepspeed_section_becomes_the_deepspeed_settings(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = _write(tmp_path, """\
         distributed_type: DEEPSPEED
         deepspeed_config:
+          deepspeed_config_file: /cfg/ds_zero3.json
           zero_stage: 3
+          offload_optimizer_device: cpu
+          offload_param_device: none
+          gradient_accumulation_steps: 4
+          gradient_clipping: 1.0
+          zero3_init_flag: true
+          zero3_save_16bit_model: true
+          deepspeed_multinode_launcher: standard
         num_processes: 4
     """)
     target = tmp_path / "accel.toml"
     code, out, _ = _import(capsys, str(source), "--config-file", str(target))
-    assert code == 0 and load_config(target) == {"num_processes": 4}
-    assert "distributed_type: 'DEEPSPEED' not imported: accel runs DDP or FSDP" in out
-    assert "deepspeed_config: {'zero_stage': 3} not imported: accel has no DeepSpeed" in out
+    assert code == 0
+    assert load_config(target) == {
+        "strategy": "deepspeed", "deepspeed_config": "/cfg/ds_zero3.json", "zero_stage": 3,
+        "offload_optimizer": "cpu", "offload_params": "none", "gradient_accumulation_steps": 4,
+        "gradient_clipping": 1.0, "num_processes": 4,
+    }
+    assert "deepspeed_config.zero3_init_flag: True not imported: not supported yet" in out
+    assert "deepspeed_config.deepspeed_multinode_launcher: 'standard' not imported" in out
+    # a stage accel refuses is refused here, naming the key
+    bad = _write(tmp_path, "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 5\n",
+                 "bad.yaml")
+    code, _, err = _import(capsys, str(bad), "--dry-run")
+    assert code == 2 and "deepspeed_config.zero_stage" in err and "zero_stage=5" in err
 
 
 @pytest.mark.parametrize(("text", "words"), [

@@ -136,10 +136,10 @@ def test_nesting_within_the_limit_is_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     source = tmp_path / "ok.yaml"
-    source.write_text("distributed_type: MULTI_GPU\ndeepspeed_config: " + "{a: " * 20 + "1"
+    source.write_text("distributed_type: MULTI_GPU\nmegatron_lm_config: " + "{a: " * 20 + "1"
                       + "}" * 20 + "\n")
     code, out, _ = _import(capsys, source, "--dry-run")
-    assert code == 0 and "deepspeed_config: {'a': {'a': " in out
+    assert code == 0 and "megatron_lm_config: {'a': {'a': " in out
 
 
 @pytest.mark.parametrize("name", ["big.yaml", "big.json"])
@@ -163,17 +163,18 @@ def test_a_long_value_is_shown_as_a_bounded_preview(
     source = tmp_path / "acc.json"
     source.write_text(json.dumps({
         "distributed_type": "MULTI_GPU",
-        "deepspeed_config": {"zero_stage": 3, "notes": [long] * 3},
+        "megatron_lm_config": {"zero_stage": 3, "notes": [long]},
+        "deepspeed_config": {"zero_stage": 3, "notes": [long]},
         "gpu_ids": "0," * 100_000 + "0",
         "tpu_env": [long],
     }))
     code, out, _ = _import(capsys, source, "--dry-run")
     assert code == 0
     lines = {line.split(":")[0].strip(): line for line in out.splitlines() if line.startswith("  ")}
-    for key in ("deepspeed_config", "gpu_ids", "tpu_env"):
+    for key in ("megatron_lm_config", "deepspeed_config.notes", "gpu_ids", "tpu_env"):
         assert len(lines[key]) < 800, (key, len(lines[key]))
         assert "characters" in lines[key], lines[key][:800]
-    assert lines["deepspeed_config"].startswith("  deepspeed_config: {'zero_stage': 3, 'notes'")
+    assert lines["megatron_lm_config"].startswith("  megatron_lm_config: {'zero_stage': 3, 'not")
     assert len(out) < 5000
 
 

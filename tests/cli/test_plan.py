@@ -224,3 +224,21 @@ def test_the_fp8_recipe_reaches_the_workers() -> None:
     assert plan("train.py").settings["fp8_recipe"].value == "tensorwise"
     with pytest.raises(ConfigError, match=r"fp8_recipe='blockwise'.*\['tensorwise', 'rowwise'\]"):
         plan("--fp8_recipe", "blockwise", "train.py")
+
+
+def test_deepspeed_flags_reach_the_workers() -> None:
+    p = plan("--use_deepspeed", "--deepspeed_config_file", "ds.json", "--zero_stage", "3",
+             "--offload_optimizer_device", "cpu", "--offload_param_device", "cpu",
+             "--gradient_clipping", "1.0", "--gradient_accumulation_steps", "2", "train.py")
+    assert p.worker_env["ACCEL_STRATEGY"] == "deepspeed"
+    assert p.worker_env["ACCEL_DEEPSPEED_CONFIG"] == "ds.json"
+    assert p.worker_env["ACCEL_ZERO_STAGE"] == "3"
+    assert p.worker_env["ACCEL_OFFLOAD_OPTIMIZER"] == "cpu"
+    assert p.worker_env["ACCEL_OFFLOAD_PARAMS"] == "cpu"
+    assert p.worker_env["ACCEL_GRADIENT_CLIPPING"] == "1.0"
+    assert p.worker_env["ACCEL_GRADIENT_ACCUMULATION_STEPS"] == "2"
+    assert plan("--strategy", "deepspeed", "train.py").worker_env["ACCEL_STRATEGY"] == "deepspeed"
+    with pytest.raises(ConfigError, match=r"zero_stage=4 is invalid"):
+        plan("--use_deepspeed", "--zero_stage", "4", "train.py")
+    with pytest.raises(ConfigError, match=r"offload_optimizer='disk' is invalid"):
+        plan("--use_deepspeed", "--offload_optimizer_device", "disk", "train.py")

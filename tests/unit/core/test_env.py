@@ -241,7 +241,7 @@ def test_boolean_spellings_are_the_same_in_the_environment_and_the_config_file(
 def test_environment_values_are_checked_like_config_values() -> None:
     cases = {
         "ACCEL_MIXED_PRECISION": ("fp32", "['no', 'fp16', 'bf16', 'fp8']"),
-        "ACCEL_STRATEGY": ("deepspeed", "['none', 'ddp', 'fsdp']"),
+        "ACCEL_STRATEGY": ("megatron", "['none', 'ddp', 'fsdp', 'deepspeed']"),
         "ACCEL_BACKEND": ("tcp", "'gloo'"),
         "ACCEL_GRADIENT_ACCUMULATION_STEPS": ("0", ">= 1"),
         "ACCEL_TIMEOUT": ("-5", "> 0"),
