@@ -124,6 +124,17 @@ def mesh_shape(
             f"dp_shard_size={shard} shards parameters with FSDP, but strategy={strategy!r}. "
             "Use `strategy='fsdp'` (or leave it unset), or set dp_replicate_size instead."
         )
+    if strategy == "deepspeed":
+        split = {key: value for key, value in (("pp_size", pp), ("cp_size", cp), ("tp_size", tp))
+                 if value is not None and value > 1}
+        if split:
+            spelled = ", ".join(f"{key}={value}" for key, value in split.items())
+            raise ConfigError(
+                f"{spelled} with strategy='deepspeed': DeepSpeed's ZeRO partitions over every "
+                "process and accel does not compose it with pipeline, context or tensor "
+                "parallelism. Leave those sizes unset for DeepSpeed, or use strategy='fsdp' "
+                "with the mesh sizes."
+            )
     known = [v for v in (pp, replicate, shard, cp, tp) if v is not None]
     product = 1
     for value in known:

@@ -407,7 +407,6 @@ def _same_mesh(outer: ProcessState, sizes: Mapping[str, int | None]) -> None:
                 f"accel.distributed({key}={value}) inside a block whose mesh is "
                 f"{outer.mesh_shape or 'not set'} (pp, dp_replicate, dp_shard, cp, tp): the mesh "
                 "is made once, by the outermost block. Pass the sizes there."
-                "made once, by the outermost block. Pass the sizes there."
             )
 
 

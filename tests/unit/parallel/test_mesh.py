@@ -235,3 +235,12 @@ def test_bad_pp_sizes_are_refused_and_ranks_follow_the_mesh(
     add_launch_options(parser)
     for flags in (["--pp-size", "2"], ["--pp_size", "2"]):
         assert command_line_settings(parser.parse_args(flags)) == {"pp_size": 2}
+
+
+@pytest.mark.parametrize("key", ["pp_size", "cp_size", "tp_size"])
+def test_deepspeed_with_a_pipeline_context_or_tensor_split_is_refused(key: str) -> None:
+    # ZeRO partitions over every process: a tp/cp/pp mesh under it would be silently ignored
+    with pytest.raises(ConfigError, match=rf"{key}=2 with strategy='deepspeed'.*strategy='fsdp'"):
+        mesh_shape(4, "deepspeed", {key: 2})
+    assert mesh_shape(4, "deepspeed", {"dp_replicate_size": 4}) == mesh_shape(
+        4, None, {"dp_replicate_size": 4})
