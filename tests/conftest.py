@@ -60,11 +60,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def _environ() -> dict[str, str]:
-    # pytest and torch itself (e.g. TORCHINDUCTOR_CACHE_DIR on first use) set a few variables
+    # pytest and torch itself (e.g. TORCHINDUCTOR_CACHE_DIR on first use) set a few variables,
+    # and `import deepspeed` sets PYTORCH_NVML_BASED_CUDA_CHECK (transformers imports it lazily)
     return {
         k: v
         for k, v in os.environ.items()
-        if k != "PYTEST_CURRENT_TEST" and not k.startswith("TORCHINDUCTOR_")
+        if k not in ("PYTEST_CURRENT_TEST", "PYTORCH_NVML_BASED_CUDA_CHECK")
+        and not k.startswith("TORCHINDUCTOR_")
     }
 
 
