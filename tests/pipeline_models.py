@@ -46,9 +46,22 @@ class Stack(nn.Module):
         return self.head(h)  # type: ignore[no-any-return]
 
 
+LANGUAGE = ("llama", "llama-tied", "gpt2")
+
+
+def gpt2() -> nn.Module:
+    """A two-layer transformers GPT-2 built locally (its LM head tied to the embedding by
+    default), without dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
 def data(family: str = "stack") -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    if family == "llama":
+    if family in LANGUAGE:
         ids = torch.randint(0, 64, (SAMPLES, 6), generator=gen)
         return ids, ids
     x = torch.randn(SAMPLES, 4, generator=gen)
@@ -57,15 +70,17 @@ def data(family: str = "stack") -> tuple[torch.Tensor, torch.Tensor]:
 
 def make(family: str = "stack") -> nn.Module:
     torch.manual_seed(0)
-    if family == "llama":
+    if family == "gpt2":
+        return gpt2()
+    if family in LANGUAGE:
         from tests import mesh_models
 
-        return mesh_models.llama()
+        return mesh_models.llama(tie=family == "llama-tied")
     return Stack(depth=8 if family == "deep" else 4)
 
 
 def loss_of(family: str) -> Any:
-    if family == "llama":
+    if family in LANGUAGE:
         def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return nn.functional.cross_entropy(
                 logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1)
@@ -75,9 +90,11 @@ def loss_of(family: str) -> Any:
 
 
 def train(family: str = "stack", steps: int = 3, *, start: int = 0, save: str | None = None,
-          load: str | None = None, **prepare: Any) -> dict[str, Any]:
+          load: str | None = None, snapshot: int | None = None, **prepare: Any
+          ) -> dict[str, Any]:
     """``steps`` AdamW steps through ``accel.pipeline_step`` with clipping and accumulation
-    (from batch ``start``), optionally loading a checkpoint first and saving one after."""
+    (from batch ``start``), optionally loading a checkpoint first and saving one after
+    (``snapshot``: the full weights after that many steps are kept too, as ``"at"``)."""
     if prepare.pop("together", False):  # made before: accel.prepare moves it to the stage
         whole = make(family)
         model, optimizer = accel.prepare(whole, torch.optim.AdamW(whole.parameters(), lr=0.01))
@@ -90,6 +107,7 @@ def train(family: str = "stack", steps: int = 3, *, start: int = 0, save: str | 
     st = accel.state()
     per = BATCH // st.dp_world_size
     losses, norms = [], []
+    at: dict[str, torch.Tensor] | None = None
     for step in range(start, start + steps):
         lo = step * BATCH + st.dp_rank * per
         with accel.accumulate(model):
@@ -101,10 +119,13 @@ def train(family: str = "stack", steps: int = 3, *, start: int = 0, save: str | 
             optimizer.step()
             optimizer.zero_grad()
         losses.append(float(accel.reduce(loss, reduction="mean")))
+        if snapshot == step - start + 1:
+            at = {k: v.clone() for k, v in accel.get_state_dict(model).items()}
     if save is not None:
         accel.save_state(save, model=model, optimizer=optimizer)
         accel.save_model(model, f"{save}_weights")  # full weights from every stage
     return {
+        "at": at,
         "full": accel.get_state_dict(model),
         "losses": losses,
         "norms": norms,
@@ -135,9 +156,9 @@ def train_with(schedule: str, microbatches: int = 4) -> dict[str, Any]:
     return train("stack", pp_plan="auto", pp_schedule=schedule, microbatches=microbatches)
 
 
-def train_llama(schedule: str = "1F1B") -> dict[str, Any]:
-    """:func:`train` on a tiny transformers Llama split with ``pp_plan="auto"``."""
-    return train("llama", pp_plan="auto", pp_schedule=schedule, microbatches=4)
+def train_llama(schedule: str = "1F1B", family: str = "llama") -> dict[str, Any]:
+    """:func:`train` on a tiny transformers Llama (or ``family``) split with ``pp_plan="auto"``."""
+    return train(family, pp_plan="auto", pp_schedule=schedule, microbatches=4)
 
 
 def refusals() -> dict[str, str]:
@@ -184,11 +205,13 @@ def refused_with_fsdp() -> str:
 
 
 def chain(steps: int, start: int, save: str | None, load: str | None,
-          schedule: str | None) -> dict[str, Any]:
+          schedule: str | None, family: str = "stack", snapshot: int | None = None
+          ) -> dict[str, Any]:
     """:func:`train` from batch ``start``, loading and saving; pipelined when ``schedule``."""
     prepare: dict[str, Any] = {} if schedule is None else {
         "pp_plan": "auto", "pp_schedule": schedule, "microbatches": 4}
-    return train("stack", steps, start=start, save=save, load=load, **prepare)
+    return train(family, steps, start=start, save=save, load=load, snapshot=snapshot,
+                 **prepare)
 
 
 def train_checkpointed(schedule: str) -> dict[str, Any]:
@@ -232,3 +255,8 @@ def fp8_stages() -> dict[str, Any]:
         losses.append(float(loss))
     return {"float8": sorted(name for name, m in model.named_modules()
                              if type(m).__name__ == "Float8Linear"), "losses": losses}
+
+
+def embedding_name(family: str) -> str:
+    """The token embedding's name in a language model of ``family`` (the LM head's tie)."""
+    return "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"

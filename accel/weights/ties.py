@@ -31,7 +31,8 @@ PARAM_NAMES = "param_names"  # a position-keyed optimizer's parameter names, gro
 
 
 def tie_map(module: nn.Module) -> dict[str, str]:
-    """``{alias: first name}`` for every ``state_dict`` name bound to a tensor named before.
+    """``{alias: first name}`` for every ``state_dict`` name bound to a tensor named before
+    (for a pipelined model: also the names tied across its stages, held here or not).
 
     Example:
         >>> lm.head.weight = lm.embed.weight
@@ -46,7 +47,20 @@ def tie_map(module: nn.Module) -> dict[str, str]:
             aliases[name] = first[key]
         else:
             first[key] = name
+    for alias, name in _stage_ties(module).items():
+        aliases.setdefault(alias, name)
     return aliases
+
+
+def _stage_ties(module: nn.Module) -> dict[str, str]:
+    """A pipelined model's ties across stages (``{alias: first name}`` of the unsplit model),
+    whichever names this rank's stages hold."""
+    from accel.parallel.pipeline.stages import pipeline_of
+
+    pipe = pipeline_of(module)
+    if pipe is None:
+        return {}
+    return {alias: tie.names[0] for tie in pipe.ties for alias in tie.names[1:]}
 
 
 def split_ties(

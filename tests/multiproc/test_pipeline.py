@@ -101,6 +101,52 @@ def test_a_transformers_llama_split_auto_equals_one_process() -> None:
     _assert_same(out, _one_process("llama"), atol=5e-5)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="transformers not installed")
+@pytest.mark.preload("transformers", "transformers.models.llama.modeling_llama",
+                     "transformers.models.gpt2.modeling_gpt2")
+@pytest.mark.parametrize("family", ["gpt2", "llama-tied"])
+def test_an_lm_head_tied_to_the_embedding_trains_on_two_stages_and_resumes_on_one(
+    family: str, tmp_path: Path,
+) -> None:
+    # the tie spans both stages: each keeps a copy, their gradients summed after each step
+    want = run_distributed(pm.chain, 4, 0, None, None, None, family, 3, world_size=1,
+                           timeout=120)[0]  # one process, 4 steps (weights after 3 kept)
+    saved = str(tmp_path / "pp2")
+    out = run_distributed(pm.chain, 3, 0, saved, None, "1F1B", family, world_size=2,
+                          timeout=120, pp_size=2)
+    head, embed = "lm_head.weight", pm.embedding_name(family)
+    assert embed in out[0]["weights"] and head in out[1]["weights"]  # a copy on each stage
+    for result in out:
+        assert list(result["full"]) == list(want["at"])  # both names, as one process has
+        for name, value in want["at"].items():
+            _assert_close_lm(name, result["full"][name], value)
+        assert result["losses"] == pytest.approx(want["losses"][:3], abs=1e-5)
+        assert result["norms"] == pytest.approx(want["norms"][:3], abs=1e-5)
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "pp2_weights" / "model.safetensors"))
+    assert embed in weights and head not in weights  # as save_model writes one process's tie
+    one = run_distributed(pm.chain, 1, 3, None, saved, None, family, world_size=1,
+                          timeout=120)[0]  # the PP2 checkpoint resumed on one process
+    assert one["losses"] == pytest.approx(want["losses"][3:], abs=1e-5)
+    for name, value in want["full"].items():
+        _assert_close_lm(name, one["full"][name], value)
+
+
+def _assert_close_lm(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """1e-5, but GPT-2's attention key bias (the middle third of ``c_attn.bias``) to 1e-4:
+    its gradient is zero but for rounding (softmax ignores a shift shared by every score),
+    which AdamW turns into lr-sized steps, so any summation order moves it (~1.3e-5)."""
+    if name.endswith("attn.c_attn.bias"):
+        third = want.shape[0] // 3
+        key = slice(third, 2 * third)
+        torch.testing.assert_close(got[key], want[key], atol=1e-4, rtol=0, msg=name)
+        got, want = torch.cat([got[:third], got[2 * third:]]), torch.cat(
+            [want[:third], want[2 * third:]])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_a_pp2_checkpoint_resumes_on_one_process_and_on_another_pipeline(
     tmp_path: Path,
 ) -> None:

@@ -6,7 +6,9 @@ rank, so its state (and its optimizer's) is saved in the sharded format of
 0 for a plain one, the FSDP shard of a DTensor), written by the first rank of its stage's
 data-parallel group, and the structure file the writer keeps is the union of every stage's
 structure (gathered from every rank, the same collective on each). The optimizer is keyed by
-parameter names. :mod:`accel.checkpoint.sharded.reshard` loads it into any layout: a plain
+parameter names. A parameter tied across stages is written once, by its owner, under its
+first name (``extra["tied"]`` names the others), as a one-process checkpoint stores a tie.
+:mod:`accel.checkpoint.sharded.reshard` loads it into any layout: a plain
 model assembles the full tensors; a pipelined target keeps only the names its stages hold
 (:func:`only_local`), whatever pipeline layout saved them.
 
@@ -35,7 +37,7 @@ from accel.core.state import state
 from accel.core.tree import dtensor_type
 from accel.errors import CheckpointError
 from accel.training.model import unwrap_model
-from accel.weights.ties import names_by_param
+from accel.weights.ties import TIED, Names, names_by_param, tie_map
 
 __all__ = ["only_local", "pipelined_model", "plan_staged"]
 
@@ -68,8 +70,10 @@ def pipelined_model(obj: Any, objects: Mapping[str, Any]) -> nn.Module | None:
     return None
 
 
-def _named_optimizer_state(optimizer: Any, model: nn.Module) -> dict[str, Any]:
-    """The optimizer's state keyed by its parameters' (global) names."""
+def _named_optimizer_state(optimizer: Any, model: nn.Module, tied: Mapping[str, str]
+                           ) -> dict[str, Any]:
+    """The optimizer's state keyed by its parameters' (global) names; a copy of a parameter
+    tied across stages that another rank owns is left out (the owner's state is the same)."""
     inner = inner_optimizer(optimizer)
     saved = inner.state_dict()
     first = names_by_param(model)
@@ -78,8 +82,9 @@ def _named_optimizer_state(optimizer: Any, model: nn.Module) -> dict[str, Any]:
     flat = [n for group in names for n in group]
     by_position = dict(zip(positions, flat, strict=True))
     return {
-        "state": {by_position[k]: v for k, v in saved["state"].items()},
-        "param_groups": [{**g, "params": n} for g, n in
+        "state": {by_position[k]: v for k, v in saved["state"].items()
+                  if by_position[k] not in tied},
+        "param_groups": [{**g, "params": [p for p in n if p not in tied]} for g, n in
                          zip(saved["param_groups"], names, strict=True)],
     }
 
@@ -151,12 +156,15 @@ def plan_staged(
             "gradients live in its stages. Save on a sync step: "
             "`if accel.sync_gradients(): accel.save_state(...)`."
         )
+    tied = tie_map(model)  # a tied parameter: once, under its first name (its owner's)
     if isinstance(obj, nn.Module):
-        current: Any = model.state_dict()
+        current: Any = {k: v for k, v in model.state_dict().items() if k not in tied}
         extra: dict[str, Any] = {"accumulation_step": accumulation_step, "pipelined": True}
     else:
-        current = _named_optimizer_state(obj, model)
+        current = _named_optimizer_state(obj, model, tied)
         extra = {"fqn_keys": True, "pipelined": True}
+    if tied:
+        extra[TIED] = tied
     cls = dtensor_type()
     plain: dict[str, torch.Tensor] = {}
     dtensors: dict[str, Any] = {}
@@ -195,10 +203,12 @@ def only_local(saved: Any, module: nn.Module, optimizer: bool) -> Any:
     groups, entries = saved.get("param_groups"), saved.get("state")
     if not isinstance(groups, list) or not isinstance(entries, Mapping):
         return saved
-    own = {name for name, _ in module.named_parameters()}
+    names = Names(tie_map(module))  # a tied parameter: saved under its first name only
+    own = {names.group(name) for name, _ in module.named_parameters()}
     return {
         **saved,
-        "state": {k: v for k, v in entries.items() if k in own},
-        "param_groups": [{**g, "params": [p for p in g.get("params", []) if p in own]}
+        "state": {k: v for k, v in entries.items() if names.group(k) in own},
+        "param_groups": [{**g, "params": [p for p in g.get("params", [])
+                                          if names.group(p) in own]}
                          if isinstance(g, Mapping) else g for g in groups],
     }

@@ -12,7 +12,9 @@ One module per concept, each imported on its own (this package defines no names)
 - :mod:`accel.parallel.pipeline.step`: ``accel.pipeline_step``, one training step for every
   rank;
 - :mod:`accel.parallel.pipeline.grads`: the gradient norm summed over the stages;
-- :mod:`accel.parallel.pipeline.weights`: the full weights gathered from every stage.
+- :mod:`accel.parallel.pipeline.weights`: the full weights gathered from every stage;
+- :mod:`accel.parallel.pipeline.ties`: parameters tied across stages (a copy on each, their
+  gradients summed after the backward).
 """
 
 __all__: list[str] = []  # the modules are imported on their own

@@ -3,6 +3,7 @@
 Each stage holds different parameters, so the norm ``clip_grad_norm_`` returns is taken over
 every stage's gradients (a sum of p-th powers, a max for the inf-norm, over the pipeline
 group), after each stage's own norm is reduced over its FSDP shards; every rank clips with it.
+A parameter tied across stages is counted once, on the rank owning it.
 
 Example:
     >>> norm = clip_over_stages(list(model.parameters()), 1.0, 2.0, groups)
@@ -44,10 +45,12 @@ def clip_over_stages(
     import torch.distributed as dist
 
     from accel.core.mesh import pp_mesh
+    from accel.parallel.pipeline.ties import is_copy
 
     st = state()
+    counted = [[p for p in group if not is_copy(p)] for group in groups]  # ties: once
     norms = [_full(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type))
-             for group in groups]
+             for group in counted if group]
     if norms:
         local = torch.linalg.vector_norm(torch.stack([n.to(st.device) for n in norms]),
                                          norm_type).float()

@@ -29,16 +29,32 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import torch
 from torch import nn
 
 from accel.errors import ConfigError
 from accel.parallel.blocks import declared_blocks
 
-__all__ = ["PassThrough", "StagePlan", "block_names", "crossed_modules", "keep_stages",
-           "split_points", "stage_plan", "stage_view"]
+__all__ = ["NoEmbedding", "PassThrough", "StagePlan", "block_names", "crossed_modules",
+           "keep_stages", "split_points", "stage_plan", "stage_view"]
 
 SHARED = -1
 """The stage number of a unit every stage keeps (buffers, no parameters)."""
+
+
+class NoEmbedding(nn.Module):
+    """Stands where an earlier stage's embedding was in a stage fed ``inputs_embeds=``: the
+    forward then calls it only for what it adds to the embeddings (GPT-2's positions), which
+    the earlier stage already added, so it adds nothing.
+
+    Example:
+        >>> NoEmbedding()(position_ids)
+        tensor(0.)
+    """
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """A zero (0-d: it broadcasts and keeps the other operand's dtype)."""
+        return torch.zeros(())
 
 
 class PassThrough(nn.Module):
@@ -70,6 +86,8 @@ class StagePlan:
     num_stages: int
     crossed: frozenset[str]
     """The modules the split crosses (the root is ``""``): copied per stage, never kept whole."""
+    embeddings: frozenset[str] = frozenset()
+    """The units that are ``nn.Embedding`` layers (see :func:`stage_view`'s ``embeds``)."""
 
     @property
     def stage_of(self) -> dict[str, int]:
@@ -187,6 +205,9 @@ def crossed_modules(model: nn.Module, splits: Sequence[str]) -> frozenset[str]:
 def stage_plan(model: nn.Module, splits: Sequence[str]) -> StagePlan:
     """Place every unit of ``model`` on a stage; ``splits`` start stages 1, 2, ...
 
+    Parameters tied between units of different stages are allowed (each stage keeps a copy:
+    :mod:`accel.parallel.pipeline.ties`).
+
     Raises:
         ConfigError: a split point that names no module, splits out of the forward's order
             (or one inside another), a stage left without parameters, or a parameter that
@@ -234,8 +255,8 @@ def stage_plan(model: nn.Module, splits: Sequence[str]) -> StagePlan:
         has_params = any(True for _ in module.parameters())
         has_buffers = any(True for _ in module.buffers())
         stages.append(SHARED if not has_params and has_buffers else stage)
-    plan = StagePlan(tuple(order), tuple(stages), len(splits) + 1, crossed)
-    _check_ties(plan, dict(units))
+    embeddings = frozenset(n for n, m in units if isinstance(m, nn.Embedding))
+    plan = StagePlan(tuple(order), tuple(stages), len(splits) + 1, crossed, embeddings)
     for s in range(plan.num_stages):
         owned = [u for u, k in zip(order, stages, strict=True) if k == s]
         if not any(any(True for _ in model.get_submodule(u).parameters()) for u in owned):
@@ -245,22 +266,6 @@ def stage_plan(model: nn.Module, splits: Sequence[str]) -> StagePlan:
                 "every stage holds a layer."
             )
     return plan
-
-
-def _check_ties(plan: StagePlan, modules: dict[str, nn.Module]) -> None:
-    """Refuse a parameter shared by units of two stages (an LM head tied to the embedding):
-    each stage would train its own copy of it."""
-    owner: dict[int, tuple[str, int]] = {}
-    for unit, stage in zip(plan.units, plan.stages, strict=True):
-        for name, param in modules[unit].named_parameters(remove_duplicate=False):
-            first = owner.setdefault(id(param), (f"{unit}.{name}", stage))
-            if first[1] != stage:
-                raise ConfigError(
-                    f"{first[0]!r} (stage {first[1]}) and {unit}.{name!r} (stage {stage}) are "
-                    "one tied parameter split across pipeline stages: each stage would train "
-                    "its own copy. Untie them (e.g. `tie_word_embeddings=False`) or keep both "
-                    "modules on one stage."
-                )
 
 
 def _shallow(module: nn.Module) -> nn.Module:
@@ -273,10 +278,14 @@ def _shallow(module: nn.Module) -> nn.Module:
     return clone
 
 
-def stage_view(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
+def stage_view(model: nn.Module, plan: StagePlan, stage: int, embeds: bool = False
+               ) -> nn.Module:
     """The module that runs stage ``stage``: the model's own forward, with the units of other
     stages replaced by pass-throughs. Only the modules the split crosses are new objects; the
     stage's units are the model's own (their parameters are shared, nothing is copied).
+    ``embeds``: the stage is fed its input as ``inputs_embeds=`` (a transformers model after
+    the first stage), so the embedding layers of earlier stages add nothing
+    (:class:`NoEmbedding`).
 
     Example:
         >>> view = stage_view(net, stage_plan(net, ["layers.2"]), 1)
@@ -292,7 +301,9 @@ def stage_view(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
             if full in plan.crossed:
                 clone._modules[name] = build(full, child)
             elif full not in mine:
-                clone._modules[name] = PassThrough()
+                earlier = (embeds and full in plan.embeddings
+                           and plan.stage_of[full] < stage)
+                clone._modules[name] = NoEmbedding() if earlier else PassThrough()
         return clone
 
     return build("", model)

@@ -41,6 +41,7 @@ from accel.parallel.pipeline.split import (
     stage_plan,
     stage_view,
 )
+from accel.parallel.pipeline.ties import Tie, find_ties, link_ties, mark_copies
 
 __all__ = ["LossSlot", "Pipeline", "StageModule", "pipeline_model", "pipeline_of",
            "tensor_output"]
@@ -76,18 +77,26 @@ class StageModule(nn.Module):
         torch.Size([8, 16])
     """
 
-    def __init__(self, view: nn.Module) -> None:
+    def __init__(self, view: nn.Module, embeds: bool = False) -> None:
         super().__init__()
         self.inner = view
-        try:
-            names = inspect.signature(view.forward).parameters
-        except (TypeError, ValueError):
-            names = {}  # type: ignore[assignment]
-        self._kwargs = {"use_cache": False} if "use_cache" in names else {}
+        self._kwargs = {"use_cache": False} if "use_cache" in forward_names(view) else {}
+        self._embeds = embeds
 
     def forward(self, *args: Any) -> Any:
-        """The view's output (a transformers output gives its logits)."""
+        """The view's output (a transformers output gives its logits); a stage after the
+        first of a model whose forward takes ``inputs_embeds`` is fed that way."""
+        if self._embeds and len(args) == 1:
+            return tensor_output(self.inner(inputs_embeds=args[0], **self._kwargs))
         return tensor_output(self.inner(*args, **self._kwargs))
+
+
+def forward_names(module: nn.Module) -> set[str]:
+    """The parameter names of ``module.forward`` (empty when they cannot be read)."""
+    try:
+        return set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 @attrs.define
@@ -136,6 +145,8 @@ class Pipeline:
     """The unsplit model's units in order (full weights are put back in this order)."""
     last_rank: int
     """The pipeline rank holding the last stage (the loss is broadcast from it)."""
+    ties: tuple[Tie, ...] = ()
+    """Parameters tied across stages (their gradients are summed after each step)."""
 
     @property
     def has_first(self) -> bool:
@@ -181,6 +192,21 @@ def _check_wrappings(spec: ScheduleSpec, dp: int, checkpointing: BlockChoice) ->
             "checkpointing (activation_checkpointing=...) cannot recompute correctly. Use "
             "'1F1B' or 'Interleaved1F1B', or turn activation checkpointing off."
         )
+
+
+def _check_tied_shards(ties: list[Tie], local: tuple[int, ...], sharded: bool) -> None:
+    """FSDP shards each stage on its own: a parameter two local stages share cannot be."""
+    for tie in ties:
+        here = sorted({s for s in tie.stages if s in local})
+        if sharded and len(here) > 1:
+            raise ConfigError(
+                f"{tie.names[0]!r} and {tie.names[-1]!r} are one tied parameter used by "
+                f"stages {here}, which this rank both runs (the schedule's layout), and FSDP "
+                "(data parallelism inside the stages) shards each stage on its own, so it "
+                "cannot shard one parameter for both. Use a schedule that puts those stages "
+                "on different ranks (e.g. '1F1B' or 'Interleaved1F1B'), no data-parallel dim, "
+                "or untie them (`tie_word_embeddings=False`)."
+            )
 
 
 def pipeline_model(
@@ -240,12 +266,16 @@ def pipeline_model(
     plan_of = stage_plan(model, split_points(model, "auto" if plan is None else plan,
                                              num_stages))
     local = spec.stages_of(st.pp_rank, pp, per_rank)
+    ties = find_ties(model, plan_of)
+    _check_tied_shards(ties, local, shard is not None)
     if convert is not None:
         convert(model)
     before = dict(model.named_parameters())
     keep_stages(model, plan_of, local)
     if device_placement:
         model.to(st.device)
+    link_ties(ties, model, [spec.stages_of(r, pp, per_rank) for r in range(pp)], local)
+    embeds = "inputs_embeds" in forward_names(model)
     from torch.distributed.pipelining import PipelineStage
 
     from accel.core.mesh import pp_mesh
@@ -254,10 +284,10 @@ def pipeline_model(
     group = pp_mesh(st.mesh).get_group()
     modules, stages = [], []
     for index in local:
-        view = stage_view(model, plan_of, index)
+        view = stage_view(model, plan_of, index, embeds=embeds and index > 0)
         if checkpoint is not None:
             checkpoint(view)
-        module: nn.Module = StageModule(view)
+        module: nn.Module = StageModule(view, embeds=embeds and index > 0)
         if shard is not None:
             module = shard(module)
         prepare_forward(module)  # the mode's autocast, floating outputs back in fp32
@@ -269,10 +299,14 @@ def pipeline_model(
         modules=tuple(modules),  # type: ignore[arg-type]
         stage_indices=local, num_stages=num_stages, microbatches=count, slot=slot,
         group=group, units=plan_of.units, last_rank=0 if spec.layout == "v" else pp - 1,
+        ties=tuple(ties),
     )
+    mark_copies(ties, model)  # the parameters as sharded: each tie counted once in norms
     model.__dict__[_PIPELINE] = record
     from accel.parallel.fsdp_params import mark_replaced
 
-    mark_replaced(model, before)  # an optimizer made before: moved over, or refused
+    kept = {id(p) for p in model.parameters()}  # a tied copy kept under its other name
+    mark_replaced(model, {n: p for n, p in before.items() if id(p) not in kept})
+    # an optimizer made before: what left this rank is moved over, or refused
     return True
 

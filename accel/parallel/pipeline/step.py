@@ -5,7 +5,9 @@ microbatch, torch's schedule runs the forwards and backwards, and every rank get
 loss (broadcast over the pipeline group from the rank holding the last stage). Gradients are
 left in the parameters as ``accel.backward`` leaves them: each microbatch's loss is divided by
 the microbatches and the accumulation steps and scaled for fp16, so they equal the gradient of
-one process's mean loss over the batch.
+one process's mean loss over the batch. The gradients of a parameter tied across stages are
+then summed over the ranks holding it, on the step that ends an accumulation cycle
+(:mod:`accel.parallel.pipeline.ties`).
 
 Example:
     >>> loss = accel.pipeline_step(model, x, y, loss_fn=nn.functional.cross_entropy)
@@ -19,9 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel.core.scope import scope
 from accel.core.state import state
 from accel.errors import ArgumentTypeError, ConfigError
 from accel.parallel.pipeline.stages import Pipeline, pipeline_of, tensor_output
+from accel.parallel.pipeline.ties import sync_tied_grads
 from accel.precision.registry import PRECISIONS
 
 __all__ = ["pipeline_step"]
@@ -57,7 +61,8 @@ def _whole(model: nn.Module, inputs: Any, labels: Any, loss_fn: Callable[..., An
     return loss.detach()  # type: ignore[no-any-return]
 
 
-def _run(pipe: Pipeline, inputs: Any, labels: Any, loss_fn: Callable[..., Any]) -> torch.Tensor:
+def _run(model: nn.Module, pipe: Pipeline, inputs: Any, labels: Any,
+         loss_fn: Callable[..., Any]) -> torch.Tensor:
     size = _batch_size(inputs if pipe.has_first else labels)
     if size is not None and size % pipe.microbatches:
         raise ConfigError(
@@ -83,6 +88,8 @@ def _run(pipe: Pipeline, inputs: Any, labels: Any, loss_fn: Callable[..., Any]) 
             pipe.schedule.eval(*args, target=target)
     finally:
         slot.fn = None
+    if grad and pipe.ties and scope().sync_gradients:  # the step's gradients are complete
+        sync_tied_grads(pipe.ties, model)  # (and FSDP's reduced): the tied copies' summed
     # the last M: torch's first step also calls the loss once on its shape-inference output
     mean = (torch.stack(slot.losses[-pipe.microbatches:]).float().mean().to(device) if pipe.has_last
             else torch.zeros((), dtype=torch.float32, device=device))
@@ -136,4 +143,4 @@ def pipeline_step(
     pipe = pipeline_of(model)
     if pipe is None:
         return _whole(model, inputs, labels, loss_fn)
-    return _run(pipe, inputs, labels, loss_fn)
+    return _run(model, pipe, inputs, labels, loss_fn)

@@ -57,11 +57,15 @@ def test_bad_plans_are_refused_before_anything_changes() -> None:
     assert not isinstance(model.inp, PassThrough)
 
 
-def test_a_weight_tied_across_stages_is_refused() -> None:
+def test_a_weight_tied_across_stages_is_found_with_its_names_and_stages() -> None:
+    from accel.parallel.pipeline.ties import find_ties
+
     model = pm.Stack()
     model.head.weight = model.inp.weight  # (8, 4) would not fit; the tie is what counts
-    with pytest.raises(ConfigError, match="one tied parameter split across pipeline stages"):
-        stage_plan(model, ["layers.2"])
+    ties = find_ties(model, stage_plan(model, ["layers.2"]))  # no longer refused
+    assert [(t.names, t.stages) for t in ties] == [(("inp.weight", "head.weight"), (0, 1))]
+    assert find_ties(model, stage_plan(model, ["layers.0"]))[0].stages == (0, 1)
+    assert find_ties(pm.Stack(), stage_plan(pm.Stack(), ["layers.2"])) == []
 
 
 def test_schedules_check_their_microbatches_and_stages() -> None:
