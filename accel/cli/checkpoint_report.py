@@ -6,8 +6,9 @@ pieces each rank wrote), every object with its kind and files, every file with i
 verification status (size and CRC32 against the manifest, then the file's own structure:
 JSON, safetensors header), and with ``tensors=True`` every tensor's name, shape and dtype
 (global shapes for FSDP-sharded ones). Given the root of numbered checkpoints it lists them
-and describes the newest complete one. Directories written by Accelerate's ``save_state`` are
-described too (their files carry no checksums: only their structure is checked).
+and describes the newest complete one. Directories written by Accelerate's ``save_state`` and
+by DeepSpeed's ``save_checkpoint`` (tag, ZeRO stage, world size, parameter count) are described
+too (their files carry no checksums: only their structure is checked).
 
 :func:`verify_checkpoint` checks every checkpoint at a path the same way (a root: every
 ``checkpoint_N``) and collects the problems (a sharded object's pieces must cover each tensor
@@ -330,6 +331,10 @@ def _describe_accelerate(path: Path, tensors: bool) -> dict[str, Any]:
 def _describe(path: Path, kind: str, tensors: bool, check_crc: bool) -> dict[str, Any]:
     if kind == "accel":
         return _describe_accel(path, tensors, check_crc)
+    if kind == "deepspeed":
+        from accel.cli.deepspeed_source import describe_deepspeed
+
+        return describe_deepspeed(path, tensors)
     return _describe_accelerate(path, tensors)
 
 
@@ -339,7 +344,7 @@ def _root_listing(root: Path) -> list[dict[str, Any]]:
         return []
     listing: list[dict[str, Any]] = []
     for path in found:
-        if _kind_of(path) == "accelerate":
+        if _kind_of(path) in ("accelerate", "deepspeed"):
             step = path.name.rsplit("_", 1)[-1]
             listing.append({"path": os.fspath(path), "complete": True,
                             "step": int(step) if step.isdigit() else None})
@@ -375,8 +380,11 @@ def inspect_checkpoint(
 
 def _kind_of(path: Path) -> str:
     from accel.checkpoint.accelerate_format import _is_accelerate
+    from accel.cli.deepspeed_source import is_deepspeed
 
-    return "accelerate" if _is_accelerate(path) else "accel"
+    if (path / MANIFEST).exists():
+        return "accel"
+    return "deepspeed" if is_deepspeed(path) else "accelerate" if _is_accelerate(path) else "accel"
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -440,6 +448,13 @@ def format_report(report: Mapping[str, Any]) -> str:
         else:
             lines.append(f"mesh: 1-D over {mesh['world_size']} ranks, FSDP pieces "
                          f"{mesh['placement']}")
+    elif report["format"] == "deepspeed":
+        lines.append(f"DeepSpeed save_checkpoint, tag {report['tag']!r}: ZeRO stage "
+                     f"{report['zero_stage']}, saved by {report['world_size']} process(es), "
+                     f"step {report.get('step')}, deepspeed {report.get('ds_version')}")
+        if report.get("parameters") is not None:
+            lines.append(f"parameters: {report['parameters']:,}; merge-weights writes "
+                         f"{report['weights']}")
     lines.append("objects:")
     for obj in report["objects"]:
         text = f"  {obj['name']}"

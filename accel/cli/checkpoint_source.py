@@ -1,7 +1,8 @@
 """Reading one model's tensors out of a checkpoint, one at a time, for ``merge-weights``.
 
 :func:`resolve_checkpoint` finds the checkpoint at a path (itself, or the newest complete
-``checkpoint_N`` of a root; accel's own or one written by Accelerate's ``save_state``).
+``checkpoint_N`` of a root; accel's own, one written by Accelerate's ``save_state``, or a
+DeepSpeed ``save_checkpoint`` directory, read by :mod:`accel.cli.deepspeed_source`).
 :func:`open_model` gives one model of it as a :class:`ModelTensors`: every tensor's name,
 shape and dtype, from the headers and metadata alone, and ``read(name)`` giving the full
 tensor. For an FSDP-sharded accel checkpoint each tensor is assembled from every saved rank's
@@ -47,7 +48,7 @@ class ModelTensors:
     """The tensors of one model in a checkpoint, read one at a time by ``read(name)``."""
 
     path: Path
-    kind: str  # "accel" or "accelerate"
+    kind: str  # "accel", "accelerate" or "deepspeed"
     object_name: str
     entries: list[Entry]
     read: Callable[[str], torch.Tensor]
@@ -66,18 +67,22 @@ def _not_a_checkpoint(path: Path) -> CheckpointError:
 
 
 def resolve_checkpoint(path: Path) -> tuple[Path, str]:
-    """The checkpoint to read at ``path`` and its kind (``"accel"`` or ``"accelerate"``).
+    """The checkpoint to read at ``path`` and its kind (``"accel"``, ``"accelerate"`` or
+    ``"deepspeed"``: a directory of DeepSpeed's ``save_checkpoint``, its root or one tag).
 
     ``path`` itself when it is one; for a root of ``checkpoint_N`` directories, the newest
-    complete accel checkpoint (else the newest Accelerate one).
+    complete accel checkpoint (else the newest Accelerate or DeepSpeed one).
 
     Raises:
         CheckpointError: nothing there is a checkpoint (the message says what it holds).
     """
     from accel.checkpoint.accelerate_format import _is_accelerate
+    from accel.cli.deepspeed_source import is_deepspeed
 
     if os.path.lexists(path / MANIFEST):
         return path, "accel"
+    if is_deepspeed(path):  # also Accelerate's save_state under DeepSpeed (tag pytorch_model)
+        return path, "deepspeed"
     if _is_accelerate(path):
         return path, "accelerate"
     found, itself = candidates(path)
@@ -90,6 +95,8 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str]:
         if is_complete(candidate):
             return candidate, "accel"
     for candidate in found:
+        if is_deepspeed(candidate):
+            return candidate, "deepspeed"
         if _is_accelerate(candidate):
             return candidate, "accelerate"
     raise _not_a_checkpoint(path)
@@ -298,4 +305,11 @@ def open_model(path: Path, kind: str, wanted: str | None) -> ModelTensors:
         CheckpointError: no such model, or a missing or corrupted file.
         OSError: a file cannot be read.
     """
+    if kind == "deepspeed":
+        from accel.cli.deepspeed_source import open_deepspeed
+
+        found = open_deepspeed(path, wanted)
+        entries = [Entry(e.name, e.shape, e.dtype) for e in found.entries]
+        return ModelTensors(found.tag, "deepspeed", found.tag.name, entries, found.read, False,
+                            found.skipped)
     return (_accel_source if kind == "accel" else _accelerate_source)(path, wanted)

@@ -51,7 +51,8 @@ def add_commands(commands: Any) -> None:
         "merge-weights", allow_abbrev=False,
         help="a save_state checkpoint to one set of weights (save_model's layout)",
         description="Write the weights of a save_state checkpoint (FSDP-sharded at any world "
-                    "size, DDP, one process) or of an Accelerate save_state directory as "
+                    "size, DDP, one process), of an Accelerate save_state directory or of a "
+                    "DeepSpeed save_checkpoint directory (its fp32 master weights) as "
                     "model.safetensors or shards + model.safetensors.index.json, one tensor at "
                     "a time, every file CRC-checked. OUT appears only when complete.",
     )
@@ -152,8 +153,9 @@ def _merge(ns: argparse.Namespace) -> int:
 
     result = merge_weights(ns.checkpoint, ns.out, max_shard_size=ns.max_shard_size,
                            dtype=ns.dtype, object_name=ns.object_name, config=ns.config)
+    foreign = "DeepSpeed" if result.kind == "deepspeed" else "Accelerate"
     check = ("every file read matched its manifest (size, CRC32)" if result.verified else
-             "Accelerate checkpoints carry no checksums: headers and sizes checked")
+             f"{foreign} checkpoints carry no checksums: headers and sizes checked")
     print(f"accel merge-weights: {result.tensors} tensors of {result.object_name!r} from "
           f"{result.source} ({result.kind}) -> {result.out}: {', '.join(result.files)} "
           f"({result.total_bytes:,} bytes of weights); {check}.")

@@ -1,10 +1,12 @@
 """``accel merge-weights``: a training checkpoint to the weights layout ``save_model`` writes.
 
 The input is a ``save_state`` checkpoint (FSDP-sharded at any world size, DDP, one process),
-the root of numbered ones (its newest complete checkpoint is used), or a directory written by
-Accelerate's ``save_state``. The output is what :func:`accel.save_model` writes and
-``from_pretrained`` reads: ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` shards
-plus ``model.safetensors.index.json``.
+the root of numbered ones (its newest complete checkpoint is used), a directory written by
+Accelerate's ``save_state``, or one written by DeepSpeed's ``engine.save_checkpoint`` (its fp32
+master weights, read by :mod:`accel.cli.deepspeed_source` without running any pickle code).
+The output is what :func:`accel.save_model` writes and ``from_pretrained`` reads:
+``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` shards plus
+``model.safetensors.index.json``.
 
 One process does it, one tensor at a time: the shard plan comes from the checkpoint's headers
 and metadata (names, shapes, dtypes), each shard's header is written first, then each tensor is
@@ -176,7 +178,8 @@ def merge_weights(
 
     Args:
         checkpoint: a ``save_state`` checkpoint, the root of numbered ones (its newest
-            complete one is used) or an Accelerate ``save_state`` directory.
+            complete one is used), an Accelerate ``save_state`` directory or a DeepSpeed
+            ``save_checkpoint`` directory (its root or one tag).
         out: the new directory (it must not exist, or be empty).
         max_shard_size: the largest shard (``"5GB"``, ``"500MB"``, bytes).
         dtype: cast floating tensors to it (``"bf16"``, ``"fp16"``, ``"fp32"``).
