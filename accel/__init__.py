@@ -68,6 +68,7 @@ _LAZY: dict[str, str] = {
     "unscale_gradients": "accel.training.optim",
     "optimizer_step_was_skipped": "accel.training.optim",
     "pipeline_step": "accel.parallel.pipeline.step",
+    "pipeline_forward": "accel.parallel.pipeline.outputs",
     "autocast": "accel.precision.casting",
     "backward": "accel.training.accumulation",
     "accumulate": "accel.training.accumulation",
@@ -186,6 +187,7 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.launch.notebook import notebook_launcher as notebook_launcher
     from accel.memory import find_executable_batch_size as find_executable_batch_size
     from accel.memory import free_memory as free_memory
+    from accel.parallel.pipeline.outputs import pipeline_forward as pipeline_forward
     from accel.parallel.pipeline.step import pipeline_step as pipeline_step
     from accel.precision.casting import autocast as autocast
     from accel.preemption import stop_requested as stop_requested

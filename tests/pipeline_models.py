@@ -260,3 +260,32 @@ def fp8_stages() -> dict[str, Any]:
 def embedding_name(family: str) -> str:
     """The token embedding's name in a language model of ``family`` (the LM head's tie)."""
     return "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
+
+
+def outputs_and_forward(schedule: str = "1F1B", family: str = "stack") -> dict[str, Any]:
+    """Two training steps returning the last stage's outputs (gathered for metrics), then
+    ``accel.pipeline_forward`` on a batch of another shape and ``pipeline_step`` under
+    ``torch.no_grad()``: what every rank got."""
+    model = accel.prepare_model(make(family), pp_plan="auto", pp_schedule=schedule,
+                                microbatches=4)
+    optimizer = accel.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = data(family)
+    st = accel.state()
+    per = BATCH // st.dp_world_size
+    gathered, losses = [], []
+    for step in range(2):
+        lo = step * BATCH + st.dp_rank * per
+        loss, outputs = accel.pipeline_step(model, x[lo:lo + per], y[lo:lo + per],
+                                            loss_fn=loss_of(family), return_outputs=True)
+        gathered.append(accel.gather_for_metrics(outputs))
+        losses.append(float(loss))
+        optimizer.step()
+        optimizer.zero_grad()
+    wide = x[16:28] if family not in LANGUAGE else x[16:28, :4]  # other shapes than training
+    forward = accel.pipeline_forward(model, wide)
+    whole = accel.pipeline_forward(model, wide[:1], microbatches=1)  # a batch of one
+    with torch.no_grad():
+        loss, outputs = accel.pipeline_step(model, x[:BATCH], y[:BATCH],
+                                            loss_fn=loss_of(family), return_outputs=True)
+    return {"gathered": gathered, "losses": losses, "forward": forward, "whole": whole,
+            "eval": (float(loss), outputs)}

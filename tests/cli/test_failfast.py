@@ -168,3 +168,61 @@ def test_notebook_and_debug_launcher_raise_the_failing_ranks_error(tmp_path: Pat
     assert "failed on rank 1 (local rank 1" in message
     assert "exit code 3" in message
     assert "attempt 0" not in message  # not the first attempt's stale report
+
+
+# Two pipeline stages: at step 2 rank {rank} raises inside torch's schedule (rank 0: the first
+# stage's forward, while rank 1 waits on its receive; rank 1: the last stage's loss).
+PIPELINE_SCRIPT = '''
+import torch
+from torch import nn
+import accel
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+def check(step, rank):
+    if step == 2 and rank == {rank}:
+        raise ValueError(f"bad batch at step {{step}} on rank {{rank}}")
+
+with accel.distributed(pp_size=2) as st:
+    torch.manual_seed(0)
+    model = accel.prepare_model(Stack(), pp_plan="auto", microbatches=2)
+    opt = accel.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    now = [0]
+    model.inp.register_forward_pre_hook(lambda *a: check(now[0], 0))  # rank 0's stage only
+    def loss_fn(out, y):
+        check(now[0], 1)
+        return nn.functional.mse_loss(out, y)
+    for step in range(4):
+        now[0] = step
+        accel.pipeline_step(model, torch.randn(4, 4), torch.randn(4, 2), loss_fn=loss_fn)
+        opt.step()
+        opt.zero_grad()
+    print(f"FINISHED rank {{st.rank}}", flush=True)
+'''
+
+
+def test_a_raising_pipeline_stage_ends_the_job_and_is_named(tmp_path: Path) -> None:
+    # the first stage raises in its forward, inside torch's schedule: its own error (not
+    # torch's "[Stage 0] failed to run forward" wrapper) names it; rank 1 stops waiting
+    (tmp_path / "pp.py").write_text(PIPELINE_SCRIPT.format(rank=0))
+    done = run_bounded(accel_command("launch", "--nproc-per-node", "2", "--cpu", "pp.py"),
+                       cwd=tmp_path, env=clean_env(tmp_path), timeout=FAIL_BOUND_S)
+    out = f"exit code {done.returncode}\n{done.stdout}"
+    assert out.startswith("exit code 1\n"), out
+    first = [line for line in out.splitlines()
+             if line.startswith("accel launch: ") and line.endswith("(first failure)")]
+    assert len(first) == 1, out
+    assert "pp.py failed on rank 0 (local rank 0" in first[0], out
+    assert "raised ValueError: bad batch at step 2 on rank 0" in first[0], out
+    assert "FINISHED" not in out

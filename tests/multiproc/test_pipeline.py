@@ -20,7 +20,7 @@ from tests import pipeline_models as pm
 
 SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
              "ZBVZeroBubble", "DualPipeV"]
-_REFERENCE: dict[tuple[Any, ...], dict[str, Any]] = {}
+_REFERENCE: dict[Any, dict[str, Any]] = {}
 
 
 def _one_process(family: str = "stack", gas: int = 1) -> dict[str, Any]:
@@ -216,3 +216,22 @@ def test_fp8_converts_each_stages_linear_layers() -> None:
     assert len(one["float8"]) == 8  # the input layer (4 wide) and the 2-wide head stay
     assert out[0]["losses"] == out[1]["losses"]
     assert out[0]["losses"] == pytest.approx(one["losses"], abs=0.02)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_outputs_for_metrics_and_pipeline_forward_equal_one_process(schedule: str) -> None:
+    # the last stage's outputs on every rank: gather_for_metrics, pipeline_forward (another
+    # batch shape, a batch of one) and pipeline_step under no_grad equal one process's
+    if "outputs" not in _REFERENCE:
+        _REFERENCE["outputs"] = run_distributed(pm.outputs_and_forward, world_size=1,
+                                                timeout=120)[0]
+    want = _REFERENCE["outputs"]
+    out = run_distributed(pm.outputs_and_forward, schedule, world_size=2, timeout=120,
+                          pp_size=2)
+    for got in out:
+        assert got["losses"] == pytest.approx(want["losses"], abs=1e-5)
+        for key in ("gathered", "forward", "whole"):
+            torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-5, msg=key)
+        assert got["eval"][0] == pytest.approx(want["eval"][0], abs=1e-5)
+        torch.testing.assert_close(got["eval"][1], want["eval"][1], atol=1e-5, rtol=1e-5)
+    assert want["forward"].shape == (12, 2) and want["gathered"][0].shape == (8, 2)

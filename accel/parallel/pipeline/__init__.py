@@ -11,6 +11,8 @@ One module per concept, each imported on its own (this package defines no names)
   rank, FSDP inside each, the ``PipelineStage`` objects and the schedule;
 - :mod:`accel.parallel.pipeline.step`: ``accel.pipeline_step``, one training step for every
   rank;
+- :mod:`accel.parallel.pipeline.outputs`: the last stage's outputs broadcast to every rank
+  (``pipeline_step(..., return_outputs=True)``) and ``accel.pipeline_forward`` (inference);
 - :mod:`accel.parallel.pipeline.grads`: the gradient norm summed over the stages;
 - :mod:`accel.parallel.pipeline.weights`: the full weights gathered from every stage;
 - :mod:`accel.parallel.pipeline.ties`: parameters tied across stages (a copy on each, their

@@ -24,6 +24,12 @@ from torch import nn
 from accel.core.scope import scope
 from accel.core.state import state
 from accel.errors import ArgumentTypeError, ConfigError
+from accel.parallel.pipeline.outputs import (
+    as_args,
+    forward_outputs,
+    share_outputs,
+    unwrapped_stage_error,
+)
 from accel.parallel.pipeline.stages import Pipeline, pipeline_of, tensor_output
 from accel.parallel.pipeline.ties import sync_tied_grads
 from accel.precision.registry import PRECISIONS
@@ -31,12 +37,8 @@ from accel.precision.registry import PRECISIONS
 __all__ = ["pipeline_step"]
 
 
-def _as_args(inputs: Any) -> tuple[Any, ...]:
-    return tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
-
-
 def _batch_size(value: Any) -> int | None:
-    for item in _as_args(value):
+    for item in as_args(value):
         if isinstance(item, torch.Tensor) and item.dim() > 0:
             return int(item.shape[0])
     return None
@@ -51,18 +53,25 @@ def _scaler(divide: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return scale
 
 
+def _detached(outputs: Any) -> Any:
+    if isinstance(outputs, tuple | list):
+        return tuple(t.detach() for t in outputs)
+    return outputs.detach()
+
+
 def _whole(model: nn.Module, inputs: Any, labels: Any, loss_fn: Callable[..., Any]
-           ) -> torch.Tensor:
+           ) -> tuple[torch.Tensor, Any]:
     """A model that is not split (no ``pp`` dim): forward, loss, ``accel.backward``'s backward."""
-    loss = loss_fn(tensor_output(model(*_as_args(inputs))), labels)
+    outputs = tensor_output(model(*as_args(inputs)))
+    loss = loss_fn(outputs, labels)
     scaled = _scaler(state().gradient_accumulation_steps)(loss)
     if scaled.requires_grad:
         scaled.backward()  # type: ignore[no-untyped-call]
-    return loss.detach()  # type: ignore[no-any-return]
+    return loss.detach(), _detached(outputs)
 
 
 def _run(model: nn.Module, pipe: Pipeline, inputs: Any, labels: Any,
-         loss_fn: Callable[..., Any]) -> torch.Tensor:
+         loss_fn: Callable[..., Any], return_outputs: bool) -> tuple[torch.Tensor, Any]:
     size = _batch_size(inputs if pipe.has_first else labels)
     if size is not None and size % pipe.microbatches:
         raise ConfigError(
@@ -72,37 +81,65 @@ def _run(model: nn.Module, pipe: Pipeline, inputs: Any, labels: Any,
             "`accel.prepare_model(..., microbatches=...)` that divides it."
         )
     device = state().device
+    if not torch.is_grad_enabled():
+        return _evaluate(model, pipe, inputs, labels, loss_fn, return_outputs)
     # fp16: every stage's GradScaler takes its scale now (only the last stage scales a loss;
     # the others unscale the gradients that loss sent back, by the same agreed scale)
     PRECISIONS[state().mixed_precision].scale_loss(torch.ones((), device=device))
     slot = pipe.slot
     slot.fn, slot.losses = loss_fn, []
     slot.scale = _scaler(pipe.microbatches * state().gradient_accumulation_steps)
-    args = _as_args(inputs) if pipe.has_first else ()
+    args = as_args(inputs) if pipe.has_first else ()
     target = labels if pipe.has_last else None
-    grad = torch.is_grad_enabled()
     try:
-        if grad:
-            pipe.schedule.step(*args, target=target, return_outputs=False)
-        else:
-            pipe.schedule.eval(*args, target=target)
+        outputs = pipe.schedule.step(*args, target=target, return_outputs=return_outputs)
+    except RuntimeError as error:  # the user's own error out of torch's stage wrapper
+        cause = unwrapped_stage_error(error)
+        if cause is error:
+            raise
+        raise cause from None
     finally:
         slot.fn = None
-    if grad and pipe.ties and scope().sync_gradients:  # the step's gradients are complete
+    if pipe.ties and scope().sync_gradients:  # the step's gradients are complete
         sync_tied_grads(pipe.ties, model)  # (and FSDP's reduced): the tied copies' summed
     # the last M: torch's first step also calls the loss once on its shape-inference output
     mean = (torch.stack(slot.losses[-pipe.microbatches:]).float().mean().to(device) if pipe.has_last
             else torch.zeros((), dtype=torch.float32, device=device))
     slot.losses = []
+    return _shared(pipe, mean, outputs, return_outputs)
+
+
+def _shared(pipe: Pipeline, mean: torch.Tensor, outputs: Any, return_outputs: bool
+            ) -> tuple[torch.Tensor, Any]:
     import torch.distributed as dist
 
     dist.broadcast(mean, group=pipe.group, group_src=pipe.last_rank)
-    return mean
+    return mean, share_outputs(pipe, outputs) if return_outputs else None
+
+
+def _evaluate(model: nn.Module, pipe: Pipeline, inputs: Any, labels: Any,
+              loss_fn: Callable[..., Any], return_outputs: bool) -> tuple[torch.Tensor, Any]:
+    """Under ``torch.no_grad()``: the forwards only (forward-only stages of their own, which
+    every schedule's layout runs), the loss of each microbatch on the last stage."""
+    device = state().device
+    outputs = forward_outputs(model, pipe, as_args(inputs), pipe.microbatches)
+    if pipe.has_last:
+        count = pipe.microbatches
+        pieces = (list(zip(*(o.tensor_split(count) for o in outputs), strict=True))
+                  if isinstance(outputs, tuple) else outputs.tensor_split(count))
+        targets = (labels.tensor_split(count) if isinstance(labels, torch.Tensor)
+                   else [labels] * count)
+        mean = torch.stack([loss_fn(tuple(p) if isinstance(p, tuple) else p, t).float()
+                            for p, t in zip(pieces, targets, strict=True)]).mean().to(device)
+    else:
+        mean = torch.zeros((), dtype=torch.float32, device=device)
+    return _shared(pipe, mean, outputs, return_outputs)
 
 
 def pipeline_step(
-    model: nn.Module, inputs: Any, labels: Any, *, loss_fn: Callable[..., torch.Tensor]
-) -> torch.Tensor:
+    model: nn.Module, inputs: Any, labels: Any, *, loss_fn: Callable[..., torch.Tensor],
+    return_outputs: bool = False,
+) -> Any:
     """Run one training step of ``model`` through its pipeline; every rank gets the mean loss.
 
     Call it on every rank with the same batch (a prepared loader gives every stage of a
@@ -119,10 +156,14 @@ def pipeline_step(
         inputs: the batch's inputs (read by the first stage).
         labels: the batch's labels (read by the last stage).
         loss_fn: ``loss_fn(outputs, labels) -> loss``, a mean over the microbatch's samples.
+        return_outputs: also return the last stage's outputs for the whole batch (the
+            microbatches' outputs concatenated, detached), broadcast to every rank of the
+            pipeline, so that every rank calls ``accel.gather_for_metrics(outputs)`` alike.
 
     Returns:
         The mean of the microbatches' losses, a 0-d tensor, the same on every rank of the
-        pipeline (detached: the backward already ran).
+        pipeline (detached: the backward already ran); with ``return_outputs=True`` the pair
+        ``(loss, outputs)``.
 
     Raises:
         ConfigError: a batch the microbatches do not divide.
@@ -142,5 +183,7 @@ def pipeline_step(
         )
     pipe = pipeline_of(model)
     if pipe is None:
-        return _whole(model, inputs, labels, loss_fn)
-    return _run(model, pipe, inputs, labels, loss_fn)
+        loss, outputs = _whole(model, inputs, labels, loss_fn)
+    else:
+        loss, outputs = _run(model, pipe, inputs, labels, loss_fn, bool(return_outputs))
+    return (loss, outputs) if return_outputs else loss
