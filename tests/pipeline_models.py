@@ -131,6 +131,11 @@ def train(family: str = "stack", steps: int = 3, *, start: int = 0, save: str | 
         "norms": norms,
         "weights": {k: v.detach().clone() for k, v in local_weights(model).items()},
         "pp": (st.pp_rank, st.pp_world_size),
+        "tp": sorted(name for name, param in model.named_parameters()  # split over tp
+                     if "tp" in (getattr(getattr(param, "device_mesh", None),
+                                         "mesh_dim_names", None) or ())),
+        "compiled": sorted(name for name, module in model.named_modules()
+                           if getattr(module, "_compiled_call_impl", None) is not None),
     }
 
 
@@ -173,6 +178,7 @@ def refusals() -> dict[str, str]:
         "dualpipev microbatches": {"pp_schedule": "DualPipeV", "microbatches": 2},
         "1f1b microbatches": {"pp_schedule": "1F1B", "microbatches": 1},
         "unknown schedule": {"pp_schedule": "1f1b_typo"},
+        "whole compile": {"compile": True},
     }
     for case, options in cases.items():
         try:
@@ -289,3 +295,24 @@ def outputs_and_forward(schedule: str = "1F1B", family: str = "stack") -> dict[s
                                             loss_fn=loss_of(family), return_outputs=True)
     return {"gathered": gathered, "losses": losses, "forward": forward, "whole": whole,
             "eval": (float(loss), outputs)}
+
+
+def train_llama_tp(steps: int = 3, start: int = 0, save: str | None = None,
+                   load: str | None = None, snapshot: int | None = None) -> dict[str, Any]:
+    """:func:`train` on the tiny Llama, pipelined (``pp_plan="auto"``, 1F1B) under a ``pp``
+    dim, each stage split by the model's own plan (``tp_plan="auto"``) under a ``tp`` dim;
+    on one process the same loop on the whole model."""
+    prepare: dict[str, Any] = {}
+    st = accel.state()
+    if st.pp_world_size > 1:
+        prepare.update(pp_plan="auto", pp_schedule="1F1B", microbatches=4)
+    if st.tp_world_size > 1:
+        prepare["tp_plan"] = "auto"
+    return train("llama", steps, start=start, save=save, load=load, snapshot=snapshot,
+                 **prepare)
+
+
+def train_compiled(schedule: str) -> dict[str, Any]:
+    """:func:`train` with each stage's blocks compiled (``aot_eager``: no C++ build)."""
+    return train("stack", pp_plan="auto", pp_schedule=schedule, microbatches=4,
+                 compile={"regional": True, "backend": "aot_eager"})

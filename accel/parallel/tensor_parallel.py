@@ -32,7 +32,7 @@ from accel.parallel.tp_plan import check_plan, model_plan
 if TYPE_CHECKING:
     pass
 
-__all__ = ["apply_tensor_parallel", "carries_plan", "note_left_whole"]
+__all__ = ["apply_tensor_parallel", "carries_plan", "note_left_whole", "split_modules"]
 
 _LOG = logging.getLogger("accel")
 
@@ -139,13 +139,32 @@ def apply_tensor_parallel(
         _LOG.info("accel: tp_plan given but the mesh has no tensor-parallel dim (tp_size=1): "
                   "the model is not split.")
         return False
+    split_modules(model, chosen, mesh, styles=styles)
+    return True
+
+
+def split_modules(
+    model: nn.Module, chosen: Mapping[str, Any], mesh: Any, *, styles: Styles | None = None
+) -> None:
+    """Split the modules of ``chosen`` (module name -> torch style, as :func:`check_plan`
+    returned it) in place over the ``tp`` dim of ``mesh`` (whose size is > 1), tied weights
+    tied again. The pipeline splits each stage's share of a plan checked on the whole model.
+
+    Raises:
+        ConfigError: attention heads the ``tp`` ranks do not divide, tied weights split
+            differently.
+
+    Example:
+        >>> split_modules(model, check_plan(model, "auto", 2), accel.state().mesh)
+    """
     from torch.distributed.tensor.parallel import parallelize_module
 
+    tp = int(mesh["tp"].size())
     _check_heads(model, tp)
+    chosen = dict(chosen)
     if styles is not None:
         chosen = styles(model, chosen)
     ties = _tie_groups(model)
     parallelize_module(model, mesh["tp"], chosen)
     _retie(model, ties)
     _LOG.info("accel: tensor parallel over %d processes: %d modules split", tp, len(chosen))
-    return True

@@ -22,7 +22,7 @@ from accel.core.options import BlockChoice, BlockSpec, blocks_option
 from accel.core.settings import STRATEGIES
 from accel.core.state import state
 from accel.errors import ArgumentTypeError, ConfigError
-from accel.parallel.blockwise import checkpoint_blocks, compile_blocks, compile_plan
+from accel.parallel.blockwise import CompilePlan, checkpoint_blocks, compile_blocks, compile_plan
 from accel.parallel.ddp import DDPOptions, ddp_options, make_ddp, note_ignored
 from accel.parallel.ddp_teardown import watch_reducers
 from accel.parallel.fsdp_params import mark_replaced
@@ -135,26 +135,24 @@ def _split_tensor_parallel(model: nn.Module, tp_plan: object, device_placement: 
 
 
 def _split_pipeline(
-    model: nn.Module, chosen: str, checkpointing: BlockChoice, plan: object,
+    model: nn.Module, chosen: str, checkpointing: BlockChoice, plan: CompilePlan | None,
     evaluation_mode: bool, device_placement: bool, tp_plan: object,
     strategy_options: dict[str, Any], pipeline: dict[str, Any],
 ) -> bool:
-    """Split ``model`` into this rank's pipeline stages (FSDP2 inside each over the
-    data-parallel dims); whether it was split (not without a ``pp`` dim)."""
+    """Split ``model`` into this rank's pipeline stages (TP inside each over the ``tp`` dim,
+    then FSDP2 over the data-parallel dims, then regional compilation of its blocks); whether
+    it was split (not without a ``pp`` dim)."""
     from accel.parallel.pipeline.stages import pipeline_model
 
     st = state()
+    tp_styles = None
     if st.pp_world_size > 1:
-        if st.tp_world_size > 1 or tp_plan is not None:
+        if plan is not None and plan.regional is False:
             raise ConfigError(
-                f"Pipeline parallelism (pp_size={st.pp_world_size}) with tensor parallelism "
-                f"(tp_size={st.tp_world_size}, tp_plan={tp_plan!r}) is not available yet. "
-                "Use pp_size with data parallelism (dp_shard_size / dp_replicate_size)."
-            )
-        if plan is not None:
-            raise ConfigError(
-                "prepare_model(compile=...) with pipeline parallelism is not available yet: "
-                "leave compile off under pp_size > 1."
+                "prepare_model(compile=True) compiles the whole model, which a pipeline never "
+                "calls: torch's schedule runs each stage's module on its own, between the "
+                "sends and receives of activations. Compile each stage's blocks instead: "
+                "`compile='regional'` (or `compile={'regional': True, ...options}`)."
             )
         if st.cp_world_size > 1:
             raise ConfigError(
@@ -165,6 +163,7 @@ def _split_pipeline(
             )
         if chosen == "ddp" and st.dp_world_size > 1 and strategy_options:
             note_ignored(ddp_options(st.options, strategy_options), "pipeline parallelism")
+        tp_styles = _stage_tensor_plan(model, tp_plan)
     shard = None
     if st.dp_world_size > 1 and not evaluation_mode and st.pp_world_size > 1:
         from accel.parallel import fsdp
@@ -177,14 +176,39 @@ def _split_pipeline(
     def checkpoint(view: nn.Module) -> None:
         checkpoint_blocks(view, checkpointing)
 
+    def compile_view(view: nn.Module) -> None:
+        assert plan is not None  # set when compile_view is passed
+        compile_blocks(view, plan.regional, plan.options)
+
     def convert(whole: nn.Module) -> None:  # fp8's layers, once the plan is checked
         _convert_modules(whole, chosen, tp_plan, evaluation_mode)
 
     return pipeline_model(
         model, **pipeline, device_placement=device_placement, shard=shard,
         checkpoint=None if checkpointing is False else checkpoint, checkpointing=checkpointing,
-        convert=convert,
+        convert=convert, tp_styles=tp_styles,
+        compile_blocks=None if plan is None else compile_view,
     )
+
+
+def _stage_tensor_plan(model: nn.Module, tp_plan: object) -> dict[str, Any] | None:
+    """Under a ``pp`` dim: the tensor-parallel plan checked on the whole (unsplit) model,
+    module name -> torch style, which each rank applies to its stages after the split;
+    ``None`` when nothing is split (no ``tp`` dim, or a model without a plan of its own)."""
+    st = state()
+    if tp_plan is None:
+        if st.tp_world_size == 1:
+            return None
+        from accel.parallel.tensor_parallel import carries_plan, note_left_whole
+
+        if not carries_plan(model):
+            note_left_whole(model, st.tp_world_size)
+            return None
+        tp_plan = "auto"
+    from accel.parallel.tp_plan import check_plan
+
+    chosen = check_plan(model, tp_plan, st.tp_world_size)
+    return chosen if st.tp_world_size > 1 else None
 
 
 def _convert_modules(

@@ -84,6 +84,8 @@ def test_zero_bubble_schedules_with_fsdp_and_bad_plans_are_refused() -> None:
         said["dualpipev microbatches"])
     assert "microbatches=1 < 2 stages" in said["1f1b microbatches"]
     assert "Did you mean '1F1B'" in said["unknown schedule"]
+    assert "compile=True) compiles the whole model, which a pipeline never" in (
+        said["whole compile"])
     assert "batch of 6 samples does not split into microbatches=4" in said["batch"]
     fsdp = run_distributed(pm.refused_with_fsdp, world_size=4, timeout=120, pp_size=2,
                            dp_shard_size=2)
@@ -193,6 +195,39 @@ def test_activation_checkpointing_and_an_optimizer_made_before_equal_one_process
         together = run_distributed(pm.train_prepared_together, world_size=world, timeout=120,
                                    pp_size=2, **sizes)
         _assert_same(together[:: world // 2], _one_process())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="transformers not installed")
+@pytest.mark.preload("transformers", "transformers.models.llama.modeling_llama")
+def test_pp2_x_tp2_llama_equals_one_process_and_its_checkpoint_resumes_on_one(
+    tmp_path: Path,
+) -> None:
+    # TP inside each stage (the model's own plan), the norm over stages and TP shards
+    want = run_distributed(pm.train_llama_tp, 4, 0, None, None, 3, world_size=1,
+                           timeout=120)[0]  # 4 steps, the weights after 3 kept
+    saved = str(tmp_path / "pp2xtp2")
+    out = run_distributed(pm.train_llama_tp, 3, 0, saved, world_size=4, timeout=120,
+                          pp_size=2, tp_size=2)
+    assert [o["pp"] for o in out] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"} <= set(
+        out[0]["tp"])
+    assert {"lm_head.weight", "model.layers.1.self_attn.o_proj.weight"} <= set(out[2]["tp"])
+    assert "model.norm.weight" not in out[2]["tp"]  # left whole, as the plan leaves it
+    _assert_same(out, {"weights": want["at"], "full": want["at"],
+                       "losses": want["losses"][:3], "norms": want["norms"][:3]})
+    one = run_distributed(pm.train_llama_tp, 1, 3, None, saved, world_size=1,
+                          timeout=120)[0]  # the PP2 x TP2 checkpoint on one process
+    assert one["losses"] == pytest.approx(want["losses"][3:], abs=1e-5)
+    for name, value in want["full"].items():
+        torch.testing.assert_close(one["full"][name], value, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_regional_compile_compiles_each_stages_blocks_and_equals_one_process() -> None:
+    out = run_distributed(pm.train_compiled, "1F1B", world_size=2, timeout=120, pp_size=2)
+    assert [o["compiled"] for o in out] == [["layers.0", "layers.1"],
+                                             ["layers.2", "layers.3"]]
+    _assert_same(out, _one_process())
 
 
 def test_pp_x_cp_ranks_follow_the_mesh_and_prepare_model_refuses_the_pair() -> None:

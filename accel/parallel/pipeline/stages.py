@@ -1,13 +1,14 @@
-"""``prepare_model``'s pipeline path: this rank's stages, FSDP inside each, torch's
-``PipelineStage`` objects and the schedule.
+"""``prepare_model``'s pipeline path: this rank's stages, TP, FSDP and regional compile
+inside each, torch's ``PipelineStage`` objects and the schedule.
 
 The user's model is changed in place: the units no local stage holds become pass-throughs
 (their weights are freed), so ``model.parameters()`` are this rank's and ``model.state_dict()``
 keeps the global (unsplit) names. Each local stage runs through a :class:`StageModule` around
-its view of the model (:func:`accel.parallel.pipeline.split.stage_view`); with a data-parallel
-dim, FSDP2 shards the stage's blocks and then the stage module, which torch's stage drives (it
-syncs the gradients once, after the last microbatch). The schedule and the stages live in a
-:class:`Pipeline` record kept with the model.
+its view of the model (:func:`accel.parallel.pipeline.split.stage_view`); with a ``tp`` dim,
+the stages' share of the tensor-parallel plan (checked on the whole model) splits their
+modules first; with a data-parallel dim, FSDP2 shards the stage's blocks and then the stage
+module, which torch's stage drives (it syncs the gradients once, after the last microbatch).
+The schedule and the stages live in a :class:`Pipeline` record kept with the model.
 
 Example:
     >>> pipe = pipeline_model(net, plan="auto", schedule="1F1B", microbatches=4)
@@ -35,6 +36,7 @@ from accel.parallel.pipeline.schedules import (
     schedule_spec,
 )
 from accel.parallel.pipeline.split import (
+    StagePlan,
     crossed_modules,
     keep_stages,
     split_points,
@@ -44,7 +46,7 @@ from accel.parallel.pipeline.split import (
 from accel.parallel.pipeline.ties import Tie, find_ties, link_ties, mark_copies
 
 __all__ = ["LossSlot", "Pipeline", "StageModule", "pipeline_model", "pipeline_of",
-           "tensor_output"]
+           "stage_styles", "tensor_output"]
 
 _PIPELINE = "_accel_pipeline"  # in the prepared model's __dict__: its Pipeline record
 
@@ -209,6 +211,30 @@ def _check_tied_shards(ties: list[Tie], local: tuple[int, ...], sharded: bool) -
             )
 
 
+def stage_styles(chosen: Mapping[str, Any], plan: StagePlan, local: tuple[int, ...]
+                 ) -> dict[str, Any]:
+    """The entries of a tensor-parallel plan (checked on the whole model) that fall inside
+    this rank's stages.
+
+    Raises:
+        ConfigError: a planned module the pipeline split crosses (no one stage holds it).
+
+    Example:
+        >>> sorted(stage_styles({"layers.0.up": s, "layers.3.up": s}, plan, (0,)))
+        ['layers.0.up']
+    """
+    crossed = sorted(name for name in chosen if name in plan.crossed)
+    if crossed:
+        raise ConfigError(
+            f"tp_plan splits {crossed[:3]}, which the pipeline split (pp_plan) crosses: no "
+            "one stage holds it, so it cannot be split inside a stage. Plan the layers inside "
+            "the blocks (e.g. 'layers.*.mlp.up_proj'), or split the pipeline elsewhere."
+        )
+    mine = {unit for index in local for unit in plan.units_of(index)}
+    return {name: style for name, style in chosen.items()
+            if any(name == unit or name.startswith(unit + ".") for unit in mine)}
+
+
 def pipeline_model(
     model: nn.Module,
     *,
@@ -221,6 +247,8 @@ def pipeline_model(
     checkpoint: Callable[[nn.Module], None] | None,
     checkpointing: BlockChoice = False,
     convert: Callable[[nn.Module], None] | None = None,
+    tp_styles: Mapping[str, Any] | None = None,
+    compile_blocks: Callable[[nn.Module], None] | None = None,
 ) -> bool:
     """Split ``model`` in place into this rank's pipeline stages; whether it was split.
 
@@ -239,6 +267,11 @@ def pipeline_model(
         checkpointing: the activation checkpointing choice (to refuse what does not mix).
         convert: the precision mode's layer swap (fp8) for the whole model, run once the
             plan is checked and before it is split.
+        tp_styles: tensor parallelism inside the stages: the plan checked on the whole
+            model (module name -> torch style); each rank splits its stages' modules over
+            the ``tp`` dim, before FSDP (``None``: no ``tp`` dim or no plan).
+        compile_blocks: regional compilation of one stage view's blocks (after FSDP), or
+            ``None``.
 
     Raises:
         ConfigError: any plan, schedule or wrapping problem, before anything is changed.
@@ -266,6 +299,7 @@ def pipeline_model(
     plan_of = stage_plan(model, split_points(model, "auto" if plan is None else plan,
                                              num_stages))
     local = spec.stages_of(st.pp_rank, pp, per_rank)
+    styles = None if tp_styles is None else stage_styles(tp_styles, plan_of, local)
     ties = find_ties(model, plan_of)
     _check_tied_shards(ties, local, shard is not None)
     if convert is not None:
@@ -275,6 +309,12 @@ def pipeline_model(
     if device_placement:
         model.to(st.device)
     link_ties(ties, model, [spec.stages_of(r, pp, per_rank) for r in range(pp)], local)
+    if styles is not None:  # TP inside the stages: what crosses a boundary is a plain tensor
+        from accel.parallel.tensor_parallel import split_modules
+        from accel.precision.registry import precision_for
+
+        split_modules(model, styles, st.mesh,
+                      styles=precision_for(st.mixed_precision).parallel_styles)
     embeds = "inputs_embeds" in forward_names(model)
     from torch.distributed.pipelining import PipelineStage
 
@@ -290,6 +330,8 @@ def pipeline_model(
         module: nn.Module = StageModule(view, embeds=embeds and index > 0)
         if shard is not None:
             module = shard(module)
+        if compile_blocks is not None:  # in place, after sharding (as without a pipeline)
+            compile_blocks(view)
         prepare_forward(module)  # the mode's autocast, floating outputs back in fp32
         modules.append(module)
         stages.append(PipelineStage(module, index, num_stages, st.device, group=group))

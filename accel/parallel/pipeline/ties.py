@@ -134,5 +134,10 @@ def sync_tied_grads(ties: Sequence[Tie], model: nn.Module) -> None:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         grad = param.grad
+        placements = getattr(param, "placements", None)
+        if placements is not None and tuple(getattr(grad, "placements", placements)) != tuple(
+                placements):  # TP's vocab-parallel embedding leaves a replicated gradient
+            grad = param.grad = grad.redistribute(  # type: ignore[attr-defined]
+                param.device_mesh, placements)  # type: ignore[attr-defined]
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         dist.all_reduce(local, group=tie.group)
