@@ -246,6 +246,18 @@ def refused_with_cp() -> dict[str, Any]:
             "sizes": (st.pp_world_size, st.dp_world_size, st.cp_world_size)}
 
 
+def refused_compile_with_tp() -> str:
+    """``prepare_model``'s refusal of regional compile with TP inside the stages."""
+    from accel.errors import ConfigError
+
+    try:
+        accel.prepare_model(make("llama"), pp_plan="auto", tp_plan="auto",
+                            compile={"regional": True, "backend": "aot_eager"})
+    except ConfigError as error:
+        return str(error)
+    return "not refused"
+
+
 def fp8_stages() -> dict[str, Any]:
     """Two steps of a 16-wide stack under fp8: which layers each stage converted."""
     torch.manual_seed(0)

@@ -230,6 +230,13 @@ def test_regional_compile_compiles_each_stages_blocks_and_equals_one_process() -
     _assert_same(out, _one_process())
 
 
+def test_regional_compile_with_tp_inside_the_stages_is_refused() -> None:
+    out = run_distributed(pm.refused_compile_with_tp, world_size=4, timeout=120, pp_size=2,
+                          tp_size=2)
+    assert all("compile='regional') with tp_size=2 inside pipeline stages" in said
+               for said in out)
+
+
 def test_pp_x_cp_ranks_follow_the_mesh_and_prepare_model_refuses_the_pair() -> None:
     out = run_distributed(pm.refused_with_cp, world_size=4, timeout=120, pp_size=2, cp_size=2)
     assert all(o["mesh"] == (2, 1, 1, 2, 1) for o in out)
