@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -203,3 +205,50 @@ def run_bounded(
         pytest.fail(f"`{' '.join(command)}` did not end within {timeout} s (a hang?); "
                     f"its output:\n{output[-4000:]}")
     return subprocess.CompletedProcess(command, proc.returncode, output, None)
+
+
+class Launched:
+    """`accel launch ...` running in the background, its output collected line by line."""
+
+    def __init__(self, args: list[str], cwd: Path) -> None:
+        self.proc = subprocess.Popen(
+            accel_command("launch", *args), cwd=cwd, env=clean_env(cwd), text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while self.output.count(text) < count:  # ranks share the pipe: lines can merge
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"never saw {text!r} x{count}; output:\n{self.output[-4000:]}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = 180) -> int:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"accel launch did not end in {timeout} s:\n{self.output[-4000:]}")
+        self._reader.join(10)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        for pid in [self.proc.pid, *_descendants(self.proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)

@@ -97,6 +97,9 @@ def _zero_run(clip: float | None, save_to: str | None) -> dict[str, Any]:
         "micro": engine.train_micro_batch_size_per_gpu(),
         "clip": engine.gradient_clipping(),
         "unwrapped": type(accel.unwrap_model(model)).__name__,
+        "offload": (engine.zero_cpu_offload(), str(getattr(engine.zero_offload_param(),
+                                                               "device", "none"))),
+        "optimizer": type(engine.optimizer.optimizer).__name__,
         "extensions": os.path.isdir(os.path.expanduser("~/.cache/torch_extensions")),
     }
 
@@ -124,6 +127,29 @@ def test_zero_stages_with_accumulation_and_clipping_equal_one_process(
         saved = results[0]["saved"]
         for key, value in weights.items():
             torch.testing.assert_close(saved[key], value, atol=1e-5, rtol=0)
+    assert results[0]["extensions"] == had_extensions  # nothing was compiled
+
+
+@pytest.mark.parametrize(("stage", "params"), [(2, None), (3, "cpu")])
+def test_cpu_offload_trains_with_the_torch_optimizer_as_one_process(
+    stage: int, params: str | None
+) -> None:
+    # DeepSpeed would swap in its DeepSpeedCPUAdam (a C++ build, minutes); accel keeps the
+    # torch optimizer on the offloaded states (zero_force_ds_cpu_optimizer: false)
+    had_extensions = os.path.isdir(os.path.expanduser("~/.cache/torch_extensions"))
+    results = run_distributed(
+        _zero_run, CLIP, None, world_size=2, strategy="deepspeed", zero_stage=stage,
+        offload_optimizer="cpu", offload_params=params, gradient_accumulation_steps=2,
+        timeout=120,
+    )
+    losses, weights = _plain(2, CLIP)
+    for out in results:
+        assert out["stage"] == stage
+        assert out["offload"] == (True, params or "none")
+        assert out["optimizer"] == "AdamW"
+        assert max(abs(a - b) for a, b in zip(out["losses"], losses, strict=True)) < 1e-5
+        for key, value in weights.items():
+            torch.testing.assert_close(out["weights"][key], value, atol=1e-5, rtol=0)
     assert results[0]["extensions"] == had_extensions  # nothing was compiled
 
 
