@@ -115,6 +115,7 @@ def test_a_raising_rank_ends_the_deepspeed_job_and_is_named(tmp_path: Path) -> N
     assert "in check_batch" in message
 
 
+@pytest.mark.ci_extra
 def test_sigterm_saves_every_rank_at_one_step_and_the_relaunch_resumes_exactly(
     tmp_path: Path,
 ) -> None:

@@ -75,6 +75,7 @@ def test_a_raising_rank_ends_the_job_and_is_named_as_the_failure(tmp_path: Path)
     assert "FINISHED" not in out
 
 
+@pytest.mark.ci_extra
 def test_max_restarts_restarts_the_job_after_an_exception(tmp_path: Path) -> None:
     out = _launch(tmp_path, (0,), "--max-restarts", "1", bound=RESTART_BOUND_S)
     assert out.startswith("exit code 0\n"), out
@@ -151,6 +152,7 @@ def test_notebook_launcher_restarts_after_an_exception_and_finishes(tmp_path: Pa
     assert found["restart"] == ("RESULT", [{"rank": 0, "attempt": 1}, {"rank": 1, "attempt": 1}])
 
 
+@pytest.mark.ci_extra
 def test_notebook_and_debug_launcher_raise_the_failing_ranks_error(tmp_path: Path) -> None:
     # forked from the warm workers: with their faster start, the "last" case blamed rank 0's
     # lost-peer error instead of rank 1's silent exit, until a worker that lost its peer

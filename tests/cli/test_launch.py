@@ -71,6 +71,7 @@ def test_accelerate_flags_and_module_entry(
     }
 
 
+@pytest.mark.ci_extra
 @pytest.mark.slow
 def test_two_launches_at_once_use_different_free_ports(tmp_path: Path) -> None:
     write_script(tmp_path)
@@ -109,6 +110,7 @@ def test_a_failing_rank_is_reported_with_its_traceback(tmp_path: Path) -> None:
     assert "error_file: <N/A>" not in out
 
 
+@pytest.mark.ci_extra
 @pytest.mark.slow
 def test_a_killed_rank_restarts_and_the_job_completes(tmp_path: Path) -> None:
     marker = tmp_path / "killed-once"

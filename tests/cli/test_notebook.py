@@ -57,6 +57,7 @@ if __name__ == "__main__":
 '''
 
 
+@pytest.mark.ci_extra
 @pytest.mark.slow
 def test_notebook_launcher_from_a_plain_python_process(tmp_path: Path) -> None:
     script = tmp_path / "notebook.py"

@@ -32,6 +32,7 @@ def _final_weights(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "final" / "model.safetensors"))
 
 
+@pytest.mark.ci_extra
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_then_relaunch_gives_the_uninterrupted_weights(
     tmp_path: Path,
@@ -91,6 +92,7 @@ with accel.distributed() as st:
 '''
 
 
+@pytest.mark.ci_extra
 @pytest.mark.slow
 @pytest.mark.parametrize(("nproc", "sig"), [(2, signal.SIGINT), (3, signal.SIGUSR1)])
 def test_a_signal_to_the_launcher_stops_every_rank_at_the_same_step(

@@ -74,6 +74,7 @@ def test_big_model_example_as_plain_python(tmp_path: pathlib.Path) -> None:
     assert not (out / "offload-rank1").exists()
 
 
+@pytest.mark.ci_extra
 @pytest.mark.slow
 def test_big_model_bench_smoke_run_accel_only(tmp_path: pathlib.Path) -> None:
     # cases (b) torch file and (c) disk offload: one fresh child each (~3 s apiece)

@@ -104,6 +104,7 @@ def test_fsdp_example_saves_on_two_and_resumes_on_three(tmp_path: pathlib.Path) 
             assert ex.lm_loss(model, step8).item() == pytest.approx(resumed[8], abs=1e-5)
 
 
+@pytest.mark.ci_extra
 @pytest.mark.slow
 def test_fsdp_bench_smoke_run(tmp_path: pathlib.Path) -> None:
     bench = EXAMPLE.parents[1] / "bench" / "fsdp.py"

@@ -350,6 +350,7 @@ def test_regional_compile_with_inductor() -> None:
         torch.testing.assert_close(grads[name], want[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.ci_extra
 @pytest.mark.slow
 def test_bench_smoke_run() -> None:
     bench = Path(__file__).parents[3] / "bench" / "activation_checkpointing.py"
