@@ -32,7 +32,10 @@ import torch
 
 from accel.errors import CheckpointError
 
-__all__ = ["MAX_LOADED_NODES", "Inspector", "check_legacy", "check_loaded", "inspect"]
+__all__ = [
+    "MAX_LOADED_NODES", "InertObject", "Inspector", "check_legacy", "check_loaded", "inert_globals",
+    "inspect",
+]
 
 _MAX_GLOBALS = 4096  # distinct globals a pickle may name (torch's use a handful)
 _MAX_NUMEL = 1 << 62
@@ -130,6 +133,39 @@ class _StandIn:
 
     def add(self, value: Any) -> None:
         del value
+
+
+class InertObject:
+    """What a class a pickle names becomes under ``torch.load(weights_only=True)`` with
+    :func:`inert_globals`: it records its arguments (``_args``) and state (``_state``), and
+    runs nothing. ``qualname`` is the name the pickle gave."""
+
+    qualname = ""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> InertObject:
+        inst = object.__new__(cls)
+        inst.__dict__["_args"] = args
+        return inst
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, value: Any) -> None:
+        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], dict | None):
+            value = value[0]  # (dict, slots) as pickle's BUILD passes it
+        self.__dict__["_state"] = value
+
+
+def inert_globals(names: list[str]) -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
+    """``torch.serialization.safe_globals`` entries that load each of ``names`` (e.g. from
+    ``get_unsafe_globals_in_checkpoint``, already screened by the caller) as an
+    :class:`InertObject` subclass carrying that name.
+
+    Example:
+        >>> with torch.serialization.safe_globals(inert_globals(["pkg.Cls"])):
+        ...     loaded = torch.load(file, weights_only=True)
+    """
+    return [(type("StandIn", (InertObject,), {"qualname": n}), n) for n in names]
 
 
 def _weight(value: Any) -> int:

@@ -25,7 +25,7 @@ import os
 import pickle
 import re
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
-from accel._files.torch_pickle import check_loaded
+from accel._files.torch_pickle import InertObject, check_loaded, inert_globals
 from accel._files.torch_zip import is_zip, opened_torch_file
 from accel.checkpoint._fit import check_fits
 from accel.checkpoint._loading import CheckpointInfo, load_into
@@ -224,34 +224,13 @@ def _read_model(path: Path, name: str, index: int, module: nn.Module) -> tuple[A
                    f"{_numbered('pytorch_model', index, '.bin')}", fix)
 
 
-class _StandIn:
-    """An inert object standing for one class of a pickle: it records fields, runs nothing."""
-
-    qualname = ""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _StandIn:
-        inst = object.__new__(cls)
-        inst.__dict__["_args"] = args
-        return inst
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, value: Any) -> None:
-        if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], dict | None):
-            value = value[0]  # (dict, slots) as pickle's BUILD passes it
-        self.__dict__["_state"] = value
-
-
 def _read_sampler(path: Path, file: str, name: str) -> int:
     """The ``epoch`` of the ``SeedableRandomSampler`` pickled in ``file``, read inertly."""
     where = path / file
     try:
         with opened_torch_file(where) as (opened, _):  # a zip is checked before torch reads it
             names = torch.serialization.get_unsafe_globals_in_checkpoint(opened)
-            stand_ins: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
-                (type("StandIn", (_StandIn,), {"qualname": n}), n) for n in names
-            ]
+            stand_ins = inert_globals(names)
             opened.seek(0)
             with torch.serialization.safe_globals(stand_ins):
                 loaded = torch.load(opened, map_location="cpu", weights_only=True)
@@ -263,7 +242,7 @@ def _read_sampler(path: Path, file: str, name: str) -> int:
             f"its code ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}). Leave {name}= "
             f"out and resume it with `accel.skip_first_batches(loader, n, epoch=e)`."
         ) from None
-    fields = loaded.__dict__.get("_state") if isinstance(loaded, _StandIn) else None
+    fields = loaded.__dict__.get("_state") if isinstance(loaded, InertObject) else None
     epoch = fields.get("epoch") if isinstance(fields, dict) else None
     if getattr(loaded, "qualname", None) != _SAMPLER_CLASS or not (
         isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0

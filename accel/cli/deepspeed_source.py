@@ -46,7 +46,7 @@ import attrs
 import torch
 
 from accel._files.safe_io import read_bounded
-from accel._files.torch_pickle import check_loaded
+from accel._files.torch_pickle import InertObject, check_loaded, inert_globals
 from accel._files.torch_zip import is_zip, opened_torch_file
 from accel.errors import CheckpointError
 
@@ -58,23 +58,6 @@ _OPTIM = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_st
 _ALLOWED_PREFIXES = ("deepspeed.",)  # DeepSpeed's own classes: loss scaler, stage enum, ...
 _ALLOWED = frozenset({"argparse.Namespace"})  # the launcher's args some engines save
 _MAX_TAG = 255
-
-
-class _StandIn:
-    """An inert object standing for one class a DeepSpeed pickle names: records, runs nothing."""
-
-    qualname = ""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _StandIn:
-        inst = object.__new__(cls)
-        inst.__dict__["_args"] = args
-        return inst
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __setstate__(self, value: Any) -> None:
-        self.__dict__["_state"] = value
 
 
 def _owns_model_states(path: Path) -> bool:
@@ -148,9 +131,7 @@ def _load(file_path: Path) -> Any:
                     "read, as inert stand-ins). accel runs no code of a checkpoint; nothing of "
                     "it was loaded."
                 )
-            stand_ins: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
-                (type("StandIn", (_StandIn,), {"qualname": n}), n) for n in names
-            ]
+            stand_ins = inert_globals(names)
             with torch.serialization.safe_globals(stand_ins):
                 loaded = torch.load(own, map_location="cpu", weights_only=True, mmap=True)
     except CheckpointError:
@@ -181,7 +162,7 @@ def _shape(value: Any) -> tuple[int, ...] | None:
 
 
 def _int(value: Any) -> int | None:
-    if isinstance(value, _StandIn):  # ZeroStageEnum(2): an int enum, recorded by its argument
+    if isinstance(value, InertObject):  # ZeroStageEnum(2): an int enum, recorded by its argument
         args = value.__dict__.get("_args")
         value = args[0] if isinstance(args, tuple) and len(args) == 1 else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
