@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from accel._files.writer import PlannedFile, plan_bytes, plan_safetensors
 from accel.checkpoint.encode import decode, encode
 from accel.errors import CheckpointError
 
-__all__ = ["plan_object", "read_object"]
+__all__ = ["plan_object", "read_object", "read_structure"]
 
 
 def plan_object(
@@ -77,16 +78,7 @@ def read_object(
     further than their manifest sizes, and CRC-checked before use (see
     :mod:`accel._files.safe_io`).
     """
-    meta = files.get(f"{name}.json")
-    if meta is None:
-        raise CheckpointError(f"The checkpoint at {os.fspath(path)!r} lists no {name}.json.")
-    where = os.fspath(path / f"{name}.json")
-    body = load_json(
-        _read_checked(path / f"{name}.json", meta),
-        lambda problem: CheckpointError(f"{where!r} is corrupted: {problem}."),
-    )
-    if not isinstance(body, dict) or "state" not in body:
-        raise CheckpointError(f"{where!r} is corrupted: it holds no 'state'.")
+    body = read_structure(path, name, files)
     tensors: dict[str, torch.Tensor] = {}
     if body.get("has_tensors"):
         tensor_meta = files.get(f"{name}.safetensors")
@@ -102,6 +94,26 @@ def read_object(
         check_recorded(os.fspath(tensor_path), tensors, body.get("dtypes"))
     extra = body.get("extra")
     return decode(body["state"], tensors), extra if isinstance(extra, dict) else {}
+
+
+def read_structure(path: Path, name: str, files: Mapping[str, Any]) -> dict[str, Any]:
+    """The structure file ``NAME.json`` of object ``name`` (its ``state``, ``extra``,
+    ``dtypes``...), read no further than its manifest size and CRC-checked.
+
+    Example:
+        >>> read_structure(Path("ckpt"), "model", read_manifest(Path("ckpt"))["files"])["state"]
+    """
+    meta = files.get(f"{name}.json")
+    if meta is None:
+        raise CheckpointError(f"The checkpoint at {os.fspath(path)!r} lists no {name}.json.")
+    where = os.fspath(path / f"{name}.json")
+    body = load_json(
+        _read_checked(path / f"{name}.json", meta),
+        lambda problem: CheckpointError(f"{where!r} is corrupted: {problem}."),
+    )
+    if not isinstance(body, dict) or "state" not in body:
+        raise CheckpointError(f"{where!r} is corrupted: it holds no 'state'.")
+    return body
 
 
 def _read_checked(file: Path, meta: dict[str, Any], limit: int = MAX_JSON_BYTES) -> bytes:

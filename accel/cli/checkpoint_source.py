@@ -24,9 +24,8 @@ import attrs
 import torch
 
 from accel._files.format import read_safetensors
-from accel._files.safe_io import load_json
 from accel.checkpoint.layout import MANIFEST, candidates, is_complete, read_manifest
-from accel.checkpoint.objects import _read_checked
+from accel.checkpoint.objects import read_structure
 from accel.errors import CheckpointError
 
 __all__ = ["Entry", "ModelTensors", "open_model", "resolve_checkpoint"]
@@ -127,20 +126,6 @@ class _Full:
     key: str  # the tensor's key in NAME.safetensors
 
 
-def _structure(path: Path, name: str, files: Mapping[str, Any]) -> dict[str, Any]:
-    meta = files.get(f"{name}.json")
-    if meta is None:
-        raise CheckpointError(f"The checkpoint at {os.fspath(path)!r} lists no {name}.json.")
-    where = os.fspath(path / f"{name}.json")
-    body = load_json(
-        _read_checked(path / f"{name}.json", meta),
-        lambda problem: CheckpointError(f"{where!r} is corrupted: {problem}."),
-    )
-    if not isinstance(body, dict) or "state" not in body:
-        raise CheckpointError(f"{where!r} is corrupted: it holds no 'state'.")
-    return body
-
-
 def _is_model(body: Mapping[str, Any]) -> bool:
     """A module's state: accel records its accumulation counter with it; else (an older
     checkpoint) a flat dict of tensors, as encoded: ``{"__tensor__": key}`` or a piece
@@ -193,7 +178,7 @@ def _accel_source(path: Path, wanted: str | None) -> ModelTensors:
     manifest = read_manifest(path)
     files = {f["name"]: f for f in manifest["files"]}
     objects = list(manifest["objects"])
-    bodies = {n: _structure(path, n, files) for n in objects if f"{n}.json" in files}
+    bodies = {n: read_structure(path, n, files) for n in objects if f"{n}.json" in files}
     missing = [n for n in objects if n not in bodies]
     if missing:
         raise CheckpointError(
