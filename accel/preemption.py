@@ -38,6 +38,12 @@ _PERIOD_S = 0.02  # aim for one agreement collective per this much loop time
 _MAX_INTERVAL = 256  # but at least one every this many calls
 _REPEAT_WINDOW_S = 2.0  # a signal this soon after the first is the same request, delivered twice
 
+# agreement collectives a failing block left in flight: kept referenced to the interpreter's end so
+# that gloo's worker thread, finishing one late, never frees its tensors (which needs the GIL)
+# while the interpreter finalizes (that aborts the process: "terminate called without an active
+# exception")
+_LEFT_IN_FLIGHT: list[tuple[Any, torch.Tensor]] = []
+
 _Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
@@ -161,6 +167,8 @@ class _Watch:
                     self.work.wait()
                 except RuntimeError:  # a peer already left: nothing left to agree with
                     pass
+            if self.work is not None and failed:
+                _LEFT_IN_FLIGHT.append((self.work, self.buffer))
             self.work = None
             if self.own_group and not failed:
                 dist.destroy_process_group(self.group)

@@ -97,6 +97,31 @@ def test_block_ends_with_an_agreement_in_flight(world_size: int) -> None:
     assert run_distributed(_pending_at_the_end, world_size=world_size) == [False] * world_size
 
 
+FAIL_IN_FLIGHT = """
+import accel
+from accel import preemption
+
+try:
+    with accel.distributed():
+        accel.stop_requested()  # starts the agreement's all-reduce
+        raise ValueError("boom")
+except ValueError:
+    pass
+print("kept", len(preemption._LEFT_IN_FLIGHT))
+"""
+
+
+def test_a_failing_block_keeps_its_agreement_in_flight_referenced(tmp_path: Path) -> None:
+    # A failing block does not wait for its agreement (a peer may never join it). The work stays
+    # referenced to the interpreter's end, so gloo's worker thread finishing it late never frees
+    # its tensor (which takes the GIL) while the interpreter finalizes: that aborted a raising
+    # rank ("terminate called without an active exception", SIGABRT) in about one DeepSpeed
+    # failure run in three, DeepSpeed keeping the group alive past the block.
+    (tmp_path / "fail.py").write_text(FAIL_IN_FLIGHT)
+    result = run_script("fail.py", world_size=2, cwd=tmp_path)
+    assert [out.strip() for out in result.stdout] == ["kept 1", "kept 1"]
+
+
 # --- one process ------------------------------------------------------------------------------
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
