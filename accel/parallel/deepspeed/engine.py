@@ -33,6 +33,7 @@ from accel.core.settings import DEEPSPEED_KEYS
 from accel.core.state import state
 from accel.errors import ConfigError
 from accel.parallel.deepspeed.config import Facts, build_config, resolve_config
+from accel.parallel.deepspeed.ops import prefer_torch_adam, warn_builds
 from accel.precision.casting import prepare_forward
 
 __all__ = [
@@ -226,10 +227,12 @@ def initialize(
     )
     resolved = resolve_config(config, facts)
     ds = import_deepspeed()
+    final = prefer_torch_adam(resolved.config, st.device.type)  # no build on a CPU
+    warn_builds(final, client_optimizer=optimizer is not None)
     _no_shm_build(ds, st.device)
     _give_local_rank(st.local_rank)
     _one_process_group()
-    kwargs: dict[str, Any] = {"model": model, "config": dict(resolved.config)}
+    kwargs: dict[str, Any] = {"model": model, "config": final}
     groups = (
         [list(g["params"]) for g in optimizer.param_groups] if optimizer is not None
         else [[p for p in model.parameters() if p.requires_grad]]
@@ -241,7 +244,7 @@ def initialize(
     engine = ds.initialize(**kwargs)[0]
     prepare_forward(engine.module)  # autocast in, fp32 out, as for DDP and FSDP
     run = EngineRun(
-        engine=engine, config=dict(resolved.config), clip_from_loop=resolved.clip_from_loop,
+        engine=engine, config=final, clip_from_loop=resolved.clip_from_loop,
         user_optimizer=optimizer, groups=groups,
     )
     _RUN.set(run)

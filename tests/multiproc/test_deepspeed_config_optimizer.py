@@ -1,0 +1,79 @@
+"""A DeepSpeed config that names its own optimizer (no torch optimizer passed to
+``accel.prepare``) trains on 2 CPU processes as one plain process with torch's AdamW, and
+DeepSpeed compiles nothing: on a CPU its Adam/AdamW become torch's (``torch_adam``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import accel
+from accel.testing import run_distributed
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                       reason="needs the deepspeed extra"),
+    pytest.mark.preload("deepspeed", "deepspeed.runtime.engine",
+                        "deepspeed.runtime.zero.stage_1_and_2"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+LR, DECAY, PER_RANK = 0.01, 0.1, 4
+CONFIG = {
+    "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": DECAY}},
+    "zero_optimization": {"stage": 2},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+}
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(32, 5, generator=g), torch.randn(32, 2, generator=g))
+
+
+def _zero2() -> dict[str, Any]:
+    model, loader = accel.prepare(_net(), DataLoader(_data(), batch_size=PER_RANK))
+    losses = []
+    for x, y in loader:
+        loss = nn.functional.mse_loss(model(x), y)
+        accel.backward(loss)
+        model.step()  # DeepSpeed's engine steps the optimizer it built
+        losses.append(float(accel.reduce(loss.detach(), "mean")))
+    return {
+        "losses": losses, "weights": accel.get_state_dict(model),
+        "optimizer": type(model.optimizer.optimizer).__name__,
+        "extensions": os.path.isdir(os.path.expanduser("~/.cache/torch_extensions")),
+    }
+
+
+def test_the_configs_adamw_trains_as_torch_adamw_and_builds_nothing() -> None:
+    had_extensions = os.path.isdir(os.path.expanduser("~/.cache/torch_extensions"))
+    results = run_distributed(_zero2, world_size=2, strategy="deepspeed",
+                              deepspeed_config=CONFIG, timeout=120)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    losses = []
+    for x, y in DataLoader(_data(), batch_size=2 * PER_RANK):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    for out in results:
+        assert out["optimizer"] == "AdamW"
+        assert out["losses"] == pytest.approx(losses, abs=1e-5)
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(out["weights"][name], value, atol=1e-5, rtol=0)
+        assert out["extensions"] == had_extensions  # nothing compiled
