@@ -1,11 +1,13 @@
 """A DeepSpeed config that names its own optimizer (no torch optimizer passed to
-``accel.prepare``) trains on 2 CPU processes as one plain process with torch's AdamW, and
-DeepSpeed compiles nothing: on a CPU its Adam/AdamW become torch's (``torch_adam``)."""
+``accel.prepare``) trains on 2 CPU processes as one plain process with torch's AdamW and
+resumes exactly (``save_state(model=engine, optimizer=engine.optimizer)``), and DeepSpeed
+compiles nothing: on a CPU its Adam/AdamW become torch's (``torch_adam``)."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -43,24 +45,36 @@ def _data() -> TensorDataset:
     return TensorDataset(torch.randn(32, 5, generator=g), torch.randn(32, 2, generator=g))
 
 
-def _zero2() -> dict[str, Any]:
+def _step(model: Any, x: torch.Tensor, y: torch.Tensor) -> float:
+    loss = nn.functional.mse_loss(model(x), y)
+    accel.backward(loss)
+    model.step()  # DeepSpeed's engine steps the optimizer it built
+    return float(accel.reduce(loss.detach(), "mean"))
+
+
+def _zero2(checkpoint: str) -> dict[str, Any]:
     model, loader = accel.prepare(_net(), DataLoader(_data(), batch_size=PER_RANK))
     losses = []
-    for x, y in loader:
-        loss = nn.functional.mse_loss(model(x), y)
-        accel.backward(loss)
-        model.step()  # DeepSpeed's engine steps the optimizer it built
-        losses.append(float(accel.reduce(loss.detach(), "mean")))
+    batches = list(loader)
+    for i, (x, y) in enumerate(batches):
+        if i == 2:  # the optimizer DeepSpeed built is saved and loaded as engine.optimizer
+            accel.save_state(checkpoint, model=model, optimizer=model.optimizer)
+        losses.append(_step(model, x, y))
+    weights = accel.get_state_dict(model)
+    accel.load_state(checkpoint, model=model, optimizer=model.optimizer)
+    again = [_step(model, x, y) for x, y in batches[2:]]
     return {
-        "losses": losses, "weights": accel.get_state_dict(model),
+        "losses": losses, "weights": weights, "again": again,
+        "weights_again": accel.get_state_dict(model),
         "optimizer": type(model.optimizer.optimizer).__name__,
         "extensions": os.path.isdir(os.path.expanduser("~/.cache/torch_extensions")),
     }
 
 
-def test_the_configs_adamw_trains_as_torch_adamw_and_builds_nothing() -> None:
+def test_the_configs_adamw_trains_as_torch_adamw_resumes_and_builds_nothing(
+        tmp_path: Path) -> None:
     had_extensions = os.path.isdir(os.path.expanduser("~/.cache/torch_extensions"))
-    results = run_distributed(_zero2, world_size=2, strategy="deepspeed",
+    results = run_distributed(_zero2, str(tmp_path / "ckpt"), world_size=2, strategy="deepspeed",
                               deepspeed_config=CONFIG, timeout=120)
     model = _net()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
@@ -74,6 +88,8 @@ def test_the_configs_adamw_trains_as_torch_adamw_and_builds_nothing() -> None:
     for out in results:
         assert out["optimizer"] == "AdamW"
         assert out["losses"] == pytest.approx(losses, abs=1e-5)
+        assert out["again"] == out["losses"][2:]  # resumed exactly
         for name, value in model.state_dict().items():
             torch.testing.assert_close(out["weights"][name], value, atol=1e-5, rtol=0)
+            assert torch.equal(out["weights_again"][name], out["weights"][name])
         assert out["extensions"] == had_extensions  # nothing compiled
