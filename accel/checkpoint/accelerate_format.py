@@ -118,8 +118,9 @@ def describe_found(directory: Path) -> str:
         return " (it is an empty directory)"
     shown = names[:8] + ([f"... {len(names) - 8} more"] if len(names) > 8 else [])
     return (
-        f" (it holds {shown}: neither an accel checkpoint (manifest.json) nor one written by "
-        "Accelerate's save_state (model.safetensors, optimizer.bin, random_states_0.pkl, ...))"
+        f" (it holds {shown}: neither an accel checkpoint (manifest.json), nor one written by "
+        "Accelerate's save_state (model.safetensors, optimizer.bin, random_states_0.pkl, ...), "
+        "nor by DeepSpeed's save_checkpoint (latest, TAG/*model_states.pt))"
     )
 
 

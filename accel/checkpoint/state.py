@@ -415,6 +415,12 @@ def load_state(
         from accel.parallel.deepspeed.checkpoint import plain_objects
 
         objects = plain_objects(objects, gather=False)
+    if not names:  # perhaps written by DeepSpeed's engine.save_checkpoint
+        from accel.checkpoint.deepspeed_format import load_deepspeed_state
+
+        from_deepspeed = load_deepspeed_state(Path(directory), names, objects)  # every rank
+        if from_deepspeed is not None:
+            return from_deepspeed
     if not names or not explicit:  # perhaps written by HuggingFace Accelerate's save_state
         from accel.checkpoint import accelerate_format as hf
 

@@ -380,7 +380,7 @@ def inspect_checkpoint(
 
 def _kind_of(path: Path) -> str:
     from accel.checkpoint.accelerate_format import _is_accelerate
-    from accel.cli.deepspeed_source import is_deepspeed
+    from accel.checkpoint.deepspeed_files import is_deepspeed
 
     if (path / MANIFEST).exists():
         return "accel"

@@ -2,7 +2,7 @@
 
 :func:`resolve_checkpoint` finds the checkpoint at a path (itself, or the newest complete
 ``checkpoint_N`` of a root; accel's own, one written by Accelerate's ``save_state``, or a
-DeepSpeed ``save_checkpoint`` directory, read by :mod:`accel.cli.deepspeed_source`).
+DeepSpeed ``save_checkpoint`` directory, read by :mod:`accel.checkpoint.deepspeed_params`).
 :func:`open_model` gives one model of it as a :class:`ModelTensors`: every tensor's name,
 shape and dtype, from the headers and metadata alone, and ``read(name)`` giving the full
 tensor. For an FSDP-sharded accel checkpoint each tensor is assembled from every saved rank's
@@ -76,7 +76,7 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str]:
         CheckpointError: nothing there is a checkpoint (the message says what it holds).
     """
     from accel.checkpoint.accelerate_format import _is_accelerate
-    from accel.cli.deepspeed_source import is_deepspeed
+    from accel.checkpoint.deepspeed_files import is_deepspeed
 
     if os.path.lexists(path / MANIFEST):
         return path, "accel"
@@ -291,7 +291,7 @@ def open_model(path: Path, kind: str, wanted: str | None) -> ModelTensors:
         OSError: a file cannot be read.
     """
     if kind == "deepspeed":
-        from accel.cli.deepspeed_source import open_deepspeed
+        from accel.checkpoint.deepspeed_params import open_deepspeed
 
         found = open_deepspeed(path, wanted)
         entries = [Entry(e.name, e.shape, e.dtype) for e in found.entries]

@@ -3,7 +3,7 @@
 The input is a ``save_state`` checkpoint (FSDP-sharded at any world size, DDP, one process),
 the root of numbered ones (its newest complete checkpoint is used), a directory written by
 Accelerate's ``save_state``, or one written by DeepSpeed's ``engine.save_checkpoint`` (its fp32
-master weights, read by :mod:`accel.cli.deepspeed_source` without running any pickle code).
+master weights, read by :mod:`accel.checkpoint.deepspeed_params` without running any pickle code).
 The output is what :func:`accel.save_model` writes and ``from_pretrained`` reads:
 ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` shards plus
 ``model.safetensors.index.json``.

@@ -6,7 +6,9 @@ ZeRO-3 in bf16 (through `accel.prepare`) and ZeRO-2 in fp32 (a second engine fro
 `save_checkpoint`; the directories merge to weights `from_pretrained` reads, equal to the
 trained ones (the fp32 master weights: under bf16 they round to the engine's bf16 weights).
 A file naming a global that is not DeepSpeed's (`os.system`) is refused without running it.
-The CLI runs in this process (`main([...])`).
+The CLI runs in this process (`main([...])`). `accel.load_state` reads the same directories
+(the fp32 master weights, Adam's state per parameter; tests/multiproc/test_deepspeed_dir_resume.py
+resumes training from them).
 """
 
 from __future__ import annotations
@@ -111,6 +113,27 @@ def test_zero3_bf16_directory_merges_fp32_master_weights(
     assert written and all(t.dtype == torch.float32 for t in written.values())
     for key, value in written.items():  # the engine's bf16 weights are the masters, rounded
         assert torch.equal(value.to(trained[key].dtype), trained[key]), key
+
+
+def test_load_state_reads_both_directories_bf16_masters_and_adam_state(
+    saved: dict[str, Any]
+) -> None:
+    for kind in ("zero2", "zero3"):
+        model: Any = gpt2(seed=5)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+        with accel.distributed(), pytest.warns(UserWarning, match="RNG states"):
+            info = accel.load_state(saved["root"] / kind, model=model, optimizer=optimizer)
+        assert info is not None and info.objects == ("model", "optimizer")
+        trained = saved[kind]
+        for key, value in model.state_dict().items():
+            if key in trained:  # zero3 ran in bf16: its fp32 masters round to its weights
+                assert torch.equal(value.to(trained[key].dtype), trained[key]), (kind, key)
+        assert model.lm_head.weight is model.transformer.wte.weight
+        assert optimizer.param_groups[0]["lr"] == 1e-2
+        for param in model.parameters():
+            state = optimizer.state[param]
+            assert state["exp_avg"].shape == param.shape and state["exp_avg"].dtype == torch.float32
+            assert float(state["step"]) == info.step and info.step in (1, 2)
 
 
 def test_inspect_says_deepspeed_tag_stage_world_size_parameters(
