@@ -36,6 +36,8 @@ from accel.parallel.pipeline.schedules import (
     schedule_spec,
 )
 from accel.parallel.pipeline.split import (
+    Inbox,
+    StageExit,
     StagePlan,
     crossed_modules,
     keep_stages,
@@ -44,6 +46,7 @@ from accel.parallel.pipeline.split import (
     stage_view,
 )
 from accel.parallel.pipeline.ties import Tie, find_ties, link_ties, mark_copies
+from accel.parallel.pipeline.trace import trace_forward
 
 __all__ = ["LossSlot", "Pipeline", "StageModule", "pipeline_model", "pipeline_of",
            "stage_styles", "tensor_output"]
@@ -79,18 +82,30 @@ class StageModule(nn.Module):
         torch.Size([8, 16])
     """
 
-    def __init__(self, view: nn.Module, embeds: bool = False) -> None:
+    def __init__(self, view: nn.Module, embeds: bool = False, inbox: Inbox | None = None
+                 ) -> None:
         super().__init__()
         self.inner = view
         self._kwargs = {"use_cache": False} if "use_cache" in forward_names(view) else {}
         self._embeds = embeds
+        self._inbox = inbox
 
     def forward(self, *args: Any) -> Any:
         """The view's output (a transformers output gives its logits); a stage after the
-        first of a model whose forward takes ``inputs_embeds`` is fed that way."""
-        if self._embeds and len(args) == 1:
-            return tensor_output(self.inner(inputs_embeds=args[0], **self._kwargs))
-        return tensor_output(self.inner(*args, **self._kwargs))
+        first of a model whose forward takes ``inputs_embeds`` is fed that way, and its
+        :class:`~accel.parallel.pipeline.split.Handoff` gives its first unit the input."""
+        inbox = self._inbox if len(args) == 1 else None
+        if inbox is not None:
+            inbox.value = args[0]
+        try:
+            if self._embeds and len(args) == 1:
+                return tensor_output(self.inner(inputs_embeds=args[0], **self._kwargs))
+            return tensor_output(self.inner(*args, **self._kwargs))
+        except StageExit as done:  # reached the next stage's first unit: the stage's output
+            return done.value
+        finally:
+            if inbox is not None:
+                inbox.value = None
 
 
 def forward_names(module: nn.Module) -> set[str]:
@@ -296,8 +311,8 @@ def pipeline_model(
         return False
     _check_wrappings(spec, st.dp_world_size, checkpointing)
     num_stages = pp * per_rank
-    plan_of = stage_plan(model, split_points(model, "auto" if plan is None else plan,
-                                             num_stages))
+    splits = split_points(model, "auto" if plan is None else plan, num_stages)
+    plan_of = stage_plan(model, splits, trace_forward(model))
     local = spec.stages_of(st.pp_rank, pp, per_rank)
     styles = None if tp_styles is None else stage_styles(tp_styles, plan_of, local)
     ties = find_ties(model, plan_of)
@@ -324,10 +339,11 @@ def pipeline_model(
     group = pp_mesh(st.mesh).get_group()
     modules, stages = [], []
     for index in local:
-        view = stage_view(model, plan_of, index, embeds=embeds and index > 0)
+        inbox = Inbox()
+        view = stage_view(model, plan_of, index, embeds=embeds and index > 0, inbox=inbox)
         if checkpoint is not None:
             checkpoint(view)
-        module: nn.Module = StageModule(view, embeds=embeds and index > 0)
+        module: nn.Module = StageModule(view, embeds=embeds and index > 0, inbox=inbox)
         if shard is not None:
             module = shard(module)
         if compile_blocks is not None:  # in place, after sharding (as without a pipeline)
