@@ -44,6 +44,7 @@ __all__ = [
     "initialize",
     "inner_module",
     "refuse",
+    "start_deepspeed",
     "step",
 ]
 
@@ -178,6 +179,25 @@ def _one_process_group() -> None:
     at_block_exit(_leave)
 
 
+def start_deepspeed() -> ModuleType:
+    """``deepspeed``, ready to start its communication in this block: no C++ build on the
+    CPU, ``LOCAL_RANK`` set, a process group (one process of gloo when the run has none).
+
+    Raises:
+        ConfigError: DeepSpeed is not installed (names the extra).
+
+    Example:
+        >>> start_deepspeed().zero.Init   # before deepspeed.initialize or zero.Init
+        <class 'deepspeed.runtime.zero.partition_parameters.Init'>
+    """
+    st = state()
+    ds = import_deepspeed()
+    _no_shm_build(ds, st.device)
+    _give_local_rank(st.local_rank)
+    _one_process_group()
+    return ds
+
+
 def initialize(
     model: nn.Module, optimizer: Any, loaders: Iterable[Any]
 ) -> EngineRun:
@@ -225,10 +245,7 @@ def initialize(
         client_optimizer=optimizer is not None,
     )
     resolved = resolve_config(config, facts)
-    ds = import_deepspeed()
-    _no_shm_build(ds, st.device)
-    _give_local_rank(st.local_rank)
-    _one_process_group()
+    ds = start_deepspeed()
     kwargs: dict[str, Any] = {"model": model, "config": dict(resolved.config)}
     groups = (
         [list(g["params"]) for g in optimizer.param_groups] if optimizer is not None
