@@ -100,6 +100,7 @@ _LAZY: dict[str, str] = {
     "remove_hooks": "accel.big_model",
     "load_checkpoint_and_dispatch": "accel.big_model",
     "load_checkpoint_in_model": "accel.big_model",
+    "init_partitioned": "accel.parallel.deepspeed.zero_init",
     # tracking, progress, profiling, memory
     "tracking": "accel.trackers",
     "log": "accel.trackers",
@@ -187,6 +188,7 @@ if TYPE_CHECKING:  # static view of the lazy names (one line per name keeps diff
     from accel.launch.notebook import notebook_launcher as notebook_launcher
     from accel.memory import find_executable_batch_size as find_executable_batch_size
     from accel.memory import free_memory as free_memory
+    from accel.parallel.deepspeed.zero_init import init_partitioned as init_partitioned
     from accel.parallel.pipeline.outputs import pipeline_forward as pipeline_forward
     from accel.parallel.pipeline.step import pipeline_step as pipeline_step
     from accel.precision.casting import autocast as autocast

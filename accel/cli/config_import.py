@@ -65,8 +65,8 @@ _DEEPSPEED = {
     "gradient_clipping": "gradient_clipping",
 }
 _DEEPSPEED_REASONS = {
-    "zero3_init_flag": "not supported yet: the model is built whole on each process and "
-    "deepspeed.initialize partitions it",
+    "zero3_init_flag": "a code change, not a setting: build the model inside "
+    "`with accel.init_partitioned():` (docs/deepspeed.md)",
     "zero3_save_16bit_model": "accel.save_model under ZeRO-3 gathers the full weights anyway",
     "deepspeed_multinode_launcher": "accel launch runs torchrun on each machine",
     "deepspeed_hostfile": "accel launch runs torchrun on each machine (no hostfile)",

@@ -185,7 +185,8 @@ def test_deepspeed_section_becomes_the_deepspeed_settings(
         "offload_optimizer": "cpu", "offload_params": "none", "gradient_accumulation_steps": 4,
         "gradient_clipping": 1.0, "num_processes": 4,
     }
-    assert "deepspeed_config.zero3_init_flag: True not imported: not supported yet" in out
+    assert ("deepspeed_config.zero3_init_flag: True not imported: a code change, not a setting: "
+            "build the model inside `with accel.init_partitioned():`") in out
     assert "deepspeed_config.deepspeed_multinode_launcher: 'standard' not imported" in out
     # a stage accel refuses is refused here, naming the key
     bad = _write(tmp_path, "distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 5\n",

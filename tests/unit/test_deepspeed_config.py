@@ -12,10 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import accel
 from accel.errors import ConfigError
-from accel.parallel.deepspeed.config import Facts, build_config, load_config, resolve_config
+from accel.parallel.deepspeed.config import (
+    Facts,
+    build_config,
+    load_config,
+    partition_config,
+    resolve_config,
+)
 
 
 def _facts(**changes: Any) -> Facts:
@@ -108,6 +115,41 @@ def test_shortcuts_build_or_check_the_config(tmp_path: Path) -> None:
     # a torch optimizer on offloaded states: no DeepSpeedCPUAdam (a C++ build) is forced
     offloaded = resolve_config(built, _facts()).config
     assert offloaded["zero_force_ds_cpu_optimizer"] is False
+
+
+def test_the_partition_config_is_what_zero_init_reads_before_the_loader_exists() -> None:
+    config = {
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto",
+                              "offload_param": {"device": "cpu"}},
+    }
+    out = partition_config(config, _facts(mixed_precision="bf16", micro_batch=None))
+    assert out == {  # a placeholder micro batch; the other "auto"s left to DeepSpeed
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+    }
+    assert partition_config({"train_micro_batch_size_per_gpu": 4}, _facts())[
+        "train_micro_batch_size_per_gpu"] == 4
+    with pytest.raises(ConfigError, match=r"bf16.enabled=False contradicts"):
+        partition_config({"bf16": {"enabled": False}}, _facts(mixed_precision="bf16"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="needs the deepspeed extra")
+def test_init_partitioned_refuses_what_prepare_would_and_is_a_no_op_outside_zero3() -> None:
+    with accel.distributed(strategy="deepspeed", zero_stage=3, mixed_precision="bf16",
+                           deepspeed_config={"bf16": {"enabled": False}}), \
+            pytest.raises(ConfigError, match=r"contradicts mixed_precision='bf16'"), \
+            accel.init_partitioned():
+        pass
+    for options in ({}, {"strategy": "deepspeed", "zero_stage": 2}):
+        with accel.distributed(**options), accel.init_partitioned():
+            assert not hasattr(torch.nn.Linear(2, 2).weight, "ds_id")
+    with accel.init_partitioned():  # no block
+        assert not hasattr(torch.nn.Linear(2, 2).weight, "ds_id")
 
 
 def test_strategy_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:

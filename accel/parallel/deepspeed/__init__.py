@@ -6,7 +6,9 @@
   the training hooks (backward, the prepared optimizer, clipping, unwrapping);
 - :mod:`~accel.parallel.deepspeed.weights`: full weights of a ZeRO-3 model;
 - :mod:`~accel.parallel.deepspeed.checkpoint`: ``save_state``/``load_state`` in accel's own
-  format, the engine's state given and taken as one plain process's model and optimizer.
+  format, the engine's state given and taken as one plain process's model and optimizer;
+- :mod:`~accel.parallel.deepspeed.zero_init`: ``accel.init_partitioned()``, a model built
+  already partitioned under ZeRO-3 (``deepspeed.zero.Init`` with the block's config).
 
 Not written yet: reading DeepSpeed's own checkpoint directories (``engine.save_checkpoint``).
 

@@ -9,14 +9,16 @@ checkpoint loads into DeepSpeed:
   buffers) whose parameters hold the fp32 master weights
   (``deepspeed.utils.safe_get_full_fp32_param``; the parameter itself where DeepSpeed keeps
   no master copy). Its ``load_state_dict`` writes the values back: the master weights
-  (``safe_set_full_fp32_param``) and the engine's own (bf16/fp16 or fp32) weights, a ZeRO-3
-  partition through ``GatheredParameters``;
+  (``safe_set_full_fp32_param``; under ZeRO-3 ``safe_set_local_fp32_param`` with this rank's
+  padded slice, see :func:`_local_partition`) and the engine's own (bf16/fp16 or fp32)
+  weights, a ZeRO-3 partition through ``GatheredParameters``;
 * the optimizer stand-in is a torch optimizer over those parameters, with the user's param
   groups (the ones passed to ``accel.prepare``) and their hyper-parameters, and per
   parameter the step count and the full states (``safe_get_full_optimizer_state``: Adam's
   ``exp_avg``, ``exp_avg_sq``...). Its ``load_state_dict`` creates DeepSpeed's flat optimizer
   state when the engine has not stepped yet, then sets every parameter's state
-  (``safe_set_full_optimizer_state``), the step counts and the hyper-parameters.
+  (``safe_set_full_optimizer_state``; ``safe_set_local_optimizer_state`` under ZeRO-3), the
+  step counts and the hyper-parameters.
 
 Every rank calls these (each ``safe_get`` is a collective), in the same order: the module's
 parameters, then the optimizer's groups. Nothing here is pickled or read from DeepSpeed's
@@ -67,9 +69,33 @@ def _full_param(param: nn.Parameter) -> torch.Tensor:
     return value.float() if value.is_floating_point() else value
 
 
+def _local_partition(param: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
+    """The part of the full ``value`` that this rank's ZeRO-3 partition of ``param`` holds.
+
+    DeepSpeed gives every rank ``ceil(numel / ranks)`` elements, the last rank's ending in
+    zero padding past the end of the parameter (or padding only: a 2-value bias on 3 ranks).
+    DeepSpeed 0.19's ``safe_set_full_*`` narrow the unpadded full value at ``rank * size``,
+    which raises on the last rank whenever the rank count does not divide the size (80
+    values on 3 ranks: 27 each, the third from 54 to 81) while the other ranks go on into
+    the next collective. Its ``safe_set_local_*`` take this padded slice instead, and make
+    no collective.
+    """
+    local = param.ds_tensor  # type: ignore[attr-defined]  # DeepSpeed's partition
+    size = int(getattr(local, "ds_numel", local.numel()))  # its data may be offloaded
+    rank = torch.distributed.get_rank(group=getattr(param, "ds_process_group", None))
+    flat = value.detach().reshape(-1)
+    start = min(rank * size, flat.numel())
+    stop = min(start + size, flat.numel())
+    out = torch.zeros(size, dtype=torch.float32, device=local.device)
+    out[: stop - start] = flat[start:stop]
+    return out
+
+
 def _set_param(param: nn.Parameter, value: torch.Tensor) -> None:
     """Write ``value`` (full, fp32) as ``param``'s master weight and its engine weight."""
-    if param.requires_grad:
+    if param.requires_grad and hasattr(param, "ds_id"):  # ZeRO-3: this rank's slice
+        _utils().safe_set_local_fp32_param(param, _local_partition(param, value))
+    elif param.requires_grad:
         _utils().safe_set_full_fp32_param(param, value.to(param.device))
     if hasattr(param, "ds_id"):  # ZeRO-3: every rank holds the value; rank 0's is kept
         zero = importlib.import_module("deepspeed").zero
@@ -209,7 +235,11 @@ class _OptimizerStandIn(torch.optim.Optimizer):
                 continue
             for key in keys:
                 value = entry[key].detach().reshape(_shape(param))
-                if hasattr(param, "ds_id") or getattr(param, "_hp_mapping", None) is not None:
+                if hasattr(param, "ds_id"):  # ZeRO-3: this rank's slice (no collective)
+                    if param.requires_grad:
+                        utils.safe_set_local_optimizer_state(
+                            param, _local_partition(param, value), key)
+                elif getattr(param, "_hp_mapping", None) is not None:
                     utils.safe_set_full_optimizer_state(param, value.to(param.device), key)
                 else:  # no ZeRO: the torch optimizer keeps state by parameter
                     basic.state[param][key] = value.to(param.device, copy=True)

@@ -33,7 +33,10 @@ import attrs
 from accel.core.settings import OFFLOAD_DEVICES
 from accel.errors import ConfigError
 
-__all__ = ["AUTO", "Facts", "Resolved", "build_config", "load_config", "resolve_config"]
+__all__ = [
+    "AUTO", "Facts", "Resolved", "build_config", "load_config", "partition_config",
+    "resolve_config", "zero_stage",
+]
 
 AUTO = "auto"
 _EXAMPLE = "`accel.distributed(strategy='deepspeed', deepspeed_config='ds_config.json')`"
@@ -354,3 +357,53 @@ def resolve_config(config: Mapping[str, Any], facts: Facts) -> Resolved:
             "bucket sizes). Write the value(s) in the config."
         )
     return Resolved(config=out, clip_from_loop=clip_from_loop)
+
+
+def zero_stage(config: Mapping[str, Any]) -> object:
+    """The config's ZeRO stage (``zero_optimization.stage``; ``None`` when it has none).
+
+    Example:
+        >>> zero_stage(build_config(None, zero_stage=3))
+        3
+    """
+    zero = config.get("zero_optimization")
+    return zero.get("stage") if isinstance(zero, Mapping) else None
+
+
+def _without_autos(value: object) -> object:
+    if isinstance(value, Mapping):
+        return {k: _without_autos(v) for k, v in value.items() if not _is_auto(v)}
+    if isinstance(value, list):
+        return [_without_autos(v) for v in value if not _is_auto(v)]
+    return value
+
+
+def partition_config(config: Mapping[str, Any], facts: Facts) -> dict[str, Any]:
+    """The config ``deepspeed.zero.Init`` gets while the model is built, before the loader
+    and the model exist to fill the rest.
+
+    ``zero.Init`` reads the precision (the partitions' dtype), the ZeRO section (parameter
+    offload, persistence) and needs valid batch sizes: bf16/fp16 are filled from
+    ``mixed_precision`` as for ``deepspeed.initialize`` (a contradiction is the same error),
+    the batch sizes become a placeholder (micro batch 1 unless the config gives one; the
+    loader gives the real one at ``accel.prepare``) and every other ``"auto"`` is left out
+    (DeepSpeed's default; ``accel.prepare`` fills or refuses them as usual).
+
+    Raises:
+        ConfigError: ``mixed_precision`` contradicts the config's bf16/fp16, or is fp8.
+
+    Example:
+        >>> facts = Facts(mixed_precision="bf16", gradient_accumulation_steps=1, world_size=2)
+        >>> partition_config({"zero_optimization": {"stage": 3}}, facts)["bf16"]
+        {'enabled': True}
+    """
+    out = copy.deepcopy(dict(config))
+    _precision(out, facts.mixed_precision)
+    micro = out.get("train_micro_batch_size_per_gpu")
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+        out["train_micro_batch_size_per_gpu"] = 1
+    out.pop("train_batch_size", None)  # DeepSpeed computes it from the other two
+    out["gradient_accumulation_steps"] = facts.gradient_accumulation_steps
+    stripped = _without_autos(out)
+    assert isinstance(stripped, dict)
+    return stripped

@@ -45,6 +45,7 @@ __all__ = [
     "initialize",
     "inner_module",
     "refuse",
+    "start_deepspeed",
     "step",
 ]
 
@@ -179,6 +180,25 @@ def _one_process_group() -> None:
     at_block_exit(_leave)
 
 
+def start_deepspeed() -> ModuleType:
+    """``deepspeed``, ready to start its communication in this block: no C++ build on the
+    CPU, ``LOCAL_RANK`` set, a process group (one process of gloo when the run has none).
+
+    Raises:
+        ConfigError: DeepSpeed is not installed (names the extra).
+
+    Example:
+        >>> start_deepspeed().zero.Init   # before deepspeed.initialize or zero.Init
+        <class 'deepspeed.runtime.zero.partition_parameters.Init'>
+    """
+    st = state()
+    ds = import_deepspeed()
+    _no_shm_build(ds, st.device)
+    _give_local_rank(st.local_rank)
+    _one_process_group()
+    return ds
+
+
 def initialize(
     model: nn.Module, optimizer: Any, loaders: Iterable[Any]
 ) -> EngineRun:
@@ -226,12 +246,9 @@ def initialize(
         client_optimizer=optimizer is not None,
     )
     resolved = resolve_config(config, facts)
-    ds = import_deepspeed()
+    ds = start_deepspeed()
     final = prefer_torch_adam(resolved.config, st.device.type)  # no build on a CPU
     warn_builds(final, client_optimizer=optimizer is not None)
-    _no_shm_build(ds, st.device)
-    _give_local_rank(st.local_rank)
-    _one_process_group()
     kwargs: dict[str, Any] = {"model": model, "config": final}
     groups = (
         [list(g["params"]) for g in optimizer.param_groups] if optimizer is not None
