@@ -187,6 +187,32 @@ def test_a_pp2_checkpoint_resumes_on_one_process_and_on_another_pipeline(
         torch.testing.assert_close(again["weights"][name], value, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.ci_extra
+@pytest.mark.slow
+def test_a_checkpoint_hops_pp2_x_fsdp2_to_one_to_pp4_to_pp2_x_tp2(tmp_path: Path) -> None:
+    # each hop loads the previous hop's checkpoint and its next step equals one process's
+    # (four launches, 4 + 1 + 4 + 4 processes: ~9 s)
+    want = run_distributed(pm.hop, 4, 0, None, None, world_size=1, timeout=120)[0]
+    hops: list[tuple[int, dict[str, int]]] = [
+        (4, {"pp_size": 2, "dp_shard_size": 2}), (1, {}), (4, {"pp_size": 4}),
+        (4, {"pp_size": 2, "tp_size": 2})]
+    load = None
+    for i, (world, sizes) in enumerate(hops):
+        steps, start = 1, i
+        save = str(tmp_path / f"hop{i}") if i < len(hops) - 1 else None
+        out = run_distributed(pm.hop, steps, start, save, load, world_size=world,
+                              timeout=120, **sizes)
+        for result in out:
+            assert result["losses"] == pytest.approx(want["losses"][start:start + steps],
+                                                     abs=1e-5), (i, sizes)
+            assert result["norms"] == pytest.approx(want["norms"][start:start + steps],
+                                                    abs=1e-5), (i, sizes)
+        load = save
+    assert {"layers.0.up.weight", "layers.1.down.weight"} <= set(out[0]["tp"])
+    assert {"layers.3.up.weight", "head.weight"}.isdisjoint(out[0]["tp"])  # the other stage's
+    _assert_same(out, {**want, "losses": want["losses"][3:], "norms": want["norms"][3:]})
+
+
 def test_activation_checkpointing_and_an_optimizer_made_before_equal_one_process() -> None:
     out = run_distributed(pm.train_checkpointed, "Interleaved1F1B", world_size=2,
                           timeout=120, pp_size=2)
