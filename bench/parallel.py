@@ -38,7 +38,11 @@ batch split into ``--microbatches``, each schedule of ``--schedules`` (torch's n
 
 Same windows and figures as above (``overhead_us`` and ``overhead_pct`` of the raw step; goal:
 <= 2% or <= 50 us per step), ``loss_diff`` (the two loops' last losses: they train the same
-weights on the same batches), and ``cprofile_own_us``.
+weights on the same batches), ``glue_*_us`` (each loop's step minus its time inside torch's
+schedule, broadcast and optimizer step, per rank, paired windows), ``stage_us`` (per rank,
+one microbatch through the rank's stage module, raw's and accel's alternately, no messages:
+``[raw, accel, paired difference]`` for the forward and the forward + backward) and
+``cprofile_own_us``.
 
 Usage:
     python bench/parallel.py                   # 4 processes, TP2 x FSDP2
@@ -322,9 +326,39 @@ def _pipeline_windows(args: dict[str, Any], schedule: str) -> dict[str, Any]:
                 step()
             into.append((time.perf_counter() - start - inside[0]) / args["steps"] * 1e6)
     own, top = _profile_own(accel_step, args["steps"])
+    stage = pipeline_of(model).modules[0]  # type: ignore[union-attr]
     return {"raw_us": raw_us, "accel_us": accel_us, "loss_diff": loss_diff,
             "raw_glue_us": raw_glue, "accel_glue_us": accel_glue,
+            "stage_us": _stage_pairs(raw, stage, x[:args["batch"] // args["microbatches"]],
+                                     args["windows"] * args["steps"]),
             "cprofile_own_us": own, "cprofile_top": top}
+
+
+def _stage_pairs(raw: nn.Module, stage: nn.Module, x: torch.Tensor, reps: int
+                 ) -> dict[str, list[float]]:
+    """One microbatch through this rank's stage module, raw torch's and accel's, alternately
+    (no messages: the stage's own compute): forward alone and forward + backward, µs."""
+    x = x.detach().requires_grad_(True)
+
+    def forward(module: nn.Module) -> None:
+        with torch.no_grad():
+            module(x)
+
+    def both(module: nn.Module) -> None:
+        module(x).sum().backward()
+
+    out: dict[str, list[float]] = {}
+    for name, run in (("forward", forward), ("forward_backward", both)):
+        raw_us, accel_us = [], []
+        for _ in range(reps):
+            for module, into in ((raw, raw_us), (stage, accel_us)):
+                start = time.perf_counter()
+                run(module)
+                into.append((time.perf_counter() - start) * 1e6)
+        out[name] = [round(statistics.median(raw_us), 1), round(statistics.median(accel_us), 1),
+                     round(statistics.median(a - r for a, r in zip(accel_us, raw_us,
+                                                                    strict=True)), 1)]
+    return out
 
 
 def _timed(call: Any, total: list[float]) -> Any:
@@ -374,6 +408,7 @@ def _pipeline_main(args: dict[str, Any]) -> None:
                       "glue_accel_us": [g["accel_us"] for g in glue],
                       "glue_overhead_us": [g["overhead_us"] for g in glue],
                       "glue_overhead_iqr_us": [g["overhead_iqr_us"] for g in glue],
+                      "stage_us": [o[name]["stage_us"] for o in out],  # per rank
                       "cprofile_own_us": [round(o[name]["cprofile_own_us"], 1) for o in out],
                       "cprofile_top_last_stage": slowest["cprofile_top"]}
     print(json.dumps({

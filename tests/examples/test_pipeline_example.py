@@ -48,3 +48,4 @@ def test_pipeline_bench_smoke_run() -> None:
         assert row["raw_us"] > 0 and row["accel_us"] > 0 and isinstance(row["overhead_pct"], float)
         assert row["loss_diff"] < 1e-6  # the two loops train the same weights
         assert len(row["glue_overhead_us"]) == 2 and len(row["cprofile_own_us"]) == 2
+        assert all(len(rank["forward_backward"]) == 3 for rank in row["stage_us"])
