@@ -310,17 +310,19 @@ def outputs_and_forward(schedule: str = "1F1B", family: str = "stack") -> dict[s
 
 
 def train_llama_tp(steps: int = 3, start: int = 0, save: str | None = None,
-                   load: str | None = None, snapshot: int | None = None) -> dict[str, Any]:
-    """:func:`train` on the tiny Llama, pipelined (``pp_plan="auto"``, 1F1B) under a ``pp``
-    dim, each stage split by the model's own plan (``tp_plan="auto"``) under a ``tp`` dim;
-    on one process the same loop on the whole model."""
+                   load: str | None = None, snapshot: int | None = None,
+                   family: str = "llama") -> dict[str, Any]:
+    """:func:`train` on the tiny Llama (``family``: ``"llama-tied"``, its LM head tied to the
+    embedding), pipelined (``pp_plan="auto"``, 1F1B) under a ``pp`` dim, each stage split by
+    the model's own plan (``tp_plan="auto"``) under a ``tp`` dim (FSDP inside the stages under
+    a data-parallel dim); on one process the same loop on the whole model."""
     prepare: dict[str, Any] = {}
     st = accel.state()
     if st.pp_world_size > 1:
         prepare.update(pp_plan="auto", pp_schedule="1F1B", microbatches=4)
     if st.tp_world_size > 1:
         prepare["tp_plan"] = "auto"
-    return train("llama", steps, start=start, save=save, load=load, snapshot=snapshot,
+    return train(family, steps, start=start, save=save, load=load, snapshot=snapshot,
                  **prepare)
 
 
@@ -328,3 +330,19 @@ def train_compiled(schedule: str) -> dict[str, Any]:
     """:func:`train` with each stage's blocks compiled (``aot_eager``: no C++ build)."""
     return train("stack", pp_plan="auto", pp_schedule=schedule, microbatches=4,
                  compile={"regional": True, "backend": "aot_eager"})
+
+
+STACK_TP = {"layers.*.up": "colwise", "layers.*.down": "rowwise"}
+"""A tensor-parallel plan for :class:`Stack`'s blocks (each block's output whole)."""
+
+
+def hop(steps: int, start: int, save: str | None, load: str | None) -> dict[str, Any]:
+    """:func:`train` on the stack in whatever layout the mesh gives: pipelined (``"auto"``,
+    1F1B) under a ``pp`` dim, :data:`STACK_TP` under a ``tp`` dim, FSDP under ``dp_shard``."""
+    st = accel.state()
+    prepare: dict[str, Any] = {}
+    if st.pp_world_size > 1:
+        prepare.update(pp_plan="auto", pp_schedule="1F1B", microbatches=4)
+    if st.tp_world_size > 1:
+        prepare["tp_plan"] = STACK_TP
+    return train("stack", steps, start=start, save=save, load=load, **prepare)

@@ -195,6 +195,29 @@ def _mesh_problem(name: str, saved: Any, ranks: list[int]) -> str | None:
     return None
 
 
+def _pipeline_ok(saved: Any) -> bool:
+    """Whether a pipelined model's recorded layout is what ``save_state`` writes: a schedule
+    name, each stage's units (names), each pipeline rank's stages (numbers of those stages)."""
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("schedule"), str):
+        return False
+    stages, ranks = saved.get("stages"), saved.get("ranks")
+    if not isinstance(stages, list) or not 0 < len(stages) <= 4096 or not all(
+            isinstance(units, list) and all(isinstance(u, str) for u in units)
+            for units in stages):
+        return False
+    return isinstance(ranks, list) and 0 < len(ranks) <= len(stages) and all(
+        isinstance(held, list) and held and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(stages)
+            for i in held) for held in ranks)
+
+
+def _units_text(units: list[str]) -> str:
+    """A stage's units, the middle of a long run elided."""
+    if len(units) <= 5:
+        return ", ".join(units) or "(none of its own)"
+    return f"{', '.join(units[:2])}, ..., {', '.join(units[-2:])} ({len(units)} units)"
+
+
 def _split_dims(pieces: Mapping[str, list[tuple[Any, Any]]]) -> list[int]:
     dims = {i for spots in pieces.values() for offset, _ in spots
             if isinstance(offset, list) for i, o in enumerate(offset) if o}
@@ -248,6 +271,14 @@ def _describe_accel(path: Path, tensors: bool, check_crc: bool) -> dict[str, Any
         }
         if isinstance(extra, Mapping) and isinstance(extra.get("tied"), Mapping):
             item["tied"] = dict(extra["tied"])
+        if isinstance(extra, Mapping) and "pipeline" in extra:  # a pipelined model's stages
+            if _pipeline_ok(extra["pipeline"]):
+                item["pipeline"] = dict(extra["pipeline"])
+            else:
+                problems.append(f"{name}: the recorded pipeline {extra['pipeline']!r:.120} is "
+                                "not {'schedule': name, 'stages': [[units]], 'ranks': "
+                                "[[stages]]} (save_state never records that: the file was "
+                                "altered; loading does not use it)")
         if isinstance(meta, Mapping):
             pieces = _pieces(bodies, name)
             ranks = sorted({int(rank) for f in own if _SHARDS in f
@@ -448,6 +479,13 @@ def format_report(report: Mapping[str, Any]) -> str:
         else:
             lines.append(f"mesh: 1-D over {mesh['world_size']} ranks, FSDP pieces "
                          f"{mesh['placement']}")
+        pipeline = next((o["pipeline"] for o in report["objects"] if "pipeline" in o), None)
+        if pipeline is not None:
+            lines.append(f"pipeline: {pipeline['schedule']}, {len(pipeline['stages'])} stages "
+                         f"over {len(pipeline['ranks'])} pp ranks")
+            for rank, held in enumerate(pipeline["ranks"]):
+                lines += [f"  pp rank {rank}, stage {i}: {_units_text(pipeline['stages'][i])}"
+                          for i in held]
     elif report["format"] == "deepspeed":
         lines.append(f"DeepSpeed save_checkpoint, tag {report['tag']!r}: ZeRO stage "
                      f"{report['zero_stage']}, saved by {report['world_size']} process(es), "

@@ -222,3 +222,37 @@ def test_fsdp_checkpoint_mesh_pieces_and_coverage(
     os.unlink(path / "optimizer__shards_rank0.safetensors")
     code, out, _ = _run(capsys, "verify", str(path))
     assert code == 1 and "optimizer__shards_rank0.safetensors: missing" in out
+
+
+@pytest.mark.slow  # four processes
+def test_a_pipelined_checkpoint_shows_the_pp_dim_and_each_stages_modules(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests import pipeline_models as pm
+
+    path = tmp_path / "pp2xfsdp2"
+    run_distributed(pm.chain, 1, 0, str(path), None, "1F1B", world_size=4, timeout=120,
+                    pp_size=2, dp_shard_size=2)
+    code, out, _ = _run(capsys, "inspect", str(path), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["problems"] == []
+    assert report["mesh"]["sizes"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1,
+                                       "tp": 1}
+    model = next(o for o in report["objects"] if o["name"] == "model")
+    assert model["pipeline"] == {"schedule": "1F1B",
+                                 "stages": [["inp", "layers.0", "layers.1"],
+                                            ["layers.2", "layers.3", "head"]],
+                                 "ranks": [[0], [1]]}
+    code, out, _ = _run(capsys, "inspect", str(path))
+    assert "mesh: 5-D (pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=1) over 4 ranks" in out
+    assert ("pipeline: 1F1B, 2 stages over 2 pp ranks\n"
+            "  pp rank 0, stage 0: inp, layers.0, layers.1\n"
+            "  pp rank 1, stage 1: layers.2, layers.3, head\n") in out
+    # an altered record (a stage number no stage has): a problem named, not a crash
+    body = json.loads((path / "model.json").read_text())
+    body["extra"]["pipeline"]["ranks"] = [[0], [7]]
+    _rewrite(path, "model.json", json.dumps(body).encode())
+    code, out, _ = _run(capsys, "verify", str(path))
+    assert code == 1 and "model: the recorded pipeline" in out, out
+    code, out, _ = _run(capsys, "inspect", str(path))
+    assert "pipeline:" not in out.split("objects:")[0]

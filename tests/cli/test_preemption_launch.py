@@ -4,6 +4,7 @@ preemptible example resumes to the exact weights of an uninterrupted run."""
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -230,3 +231,111 @@ def test_stop_options_this_torch_lacks_are_dropped_with_a_note() -> None:
                     "--shutdown-timeout", "7"]
     assert "--signals-to-handle or --shutdown-timeout" in note
     assert "SIGUSR1 is not passed on" in note
+
+
+PIPELINE_SCRIPT = '''
+import sys, time
+from pathlib import Path
+import torch
+from torch import nn
+import accel
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.layers = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+root, total, delay = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+with accel.distributed(seed=0) as st:
+    torch.manual_seed(0)
+    model = accel.prepare_model(Stack(), pp_plan="auto", pp_schedule="1F1B", microbatches=2)
+    optimizer = accel.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    info = accel.load_state(root / "ckpt", missing_ok=True, model=model, optimizer=optimizer)
+    step = info.step if info else 0
+    print(f"starting at step {step} on stage {st.pp_rank} of {st.pp_world_size}", flush=True)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(total * 4, 4, generator=g), torch.randn(total * 4, 2, generator=g)
+    while step < total:
+        batch = slice(step * 4, step * 4 + 4)
+        loss = accel.pipeline_step(model, x[batch], y[batch], loss_fn=nn.functional.mse_loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        accel.print(f"LOSS {step} {float(loss)!r}", flush=True)  # the same on every rank
+        time.sleep(delay)
+        if step < total and accel.stop_requested():
+            accel.save_state(root / "ckpt", step=step, model=model, optimizer=optimizer)
+            print(f"SAVED {st.rank} {step}", flush=True)
+            break
+    else:
+        accel.save_model(model, root / "final")
+        print(f"finished at step {step}", flush=True)
+'''
+
+
+def _losses(output: str) -> dict[int, str]:
+    """step -> the loss as rank 0 printed it (repr: every bit)."""
+    found = re.findall(r"LOSS (\d+) (\d+\.\d+(?:e-?\d+)?)", output)
+    return {int(step): loss for step, loss in found}
+
+
+@pytest.mark.ci_extra
+@pytest.mark.slow
+def test_sigterm_to_a_pipelined_launch_saves_every_stage_and_the_relaunch_ends_the_same(
+    tmp_path: Path,
+) -> None:
+    # `accel launch --pp-size 2`: both stages stop at one step and save their pieces into one
+    # checkpoint; the relaunch resumes it and ends with the uninterrupted run's losses and
+    # weights, bit for bit
+    script = write_script(tmp_path, PIPELINE_SCRIPT)
+    env = {**clean_env_changes(tmp_path), "ACCEL_PP_SIZE": "2"}
+    straight = run_script(script, str(tmp_path / "straight"), "20", "0", world_size=2,
+                          cwd=tmp_path, env=env).output
+    assert "starting at step 0 on stage 1 of 2" in straight and "finished at step 20" in straight
+
+    first = Launched(["--nproc-per-node", "2", "--cpu", "--pp-size", "2", str(script),
+                      str(tmp_path / "stopped"), "20", "0.05"], tmp_path)
+    first.wait_for("LOSS 4 ")
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.finish() == 0, first.output[-3000:]
+    saved = re.findall(r"SAVED (\d) (\d+)", first.output)
+    assert sorted(rank for rank, _ in saved) == ["0", "1"], first.output[-3000:]
+    assert len({step for _, step in saved}) == 1  # every stage at the same step
+    stopped_at = int(saved[0][1])
+    assert 4 <= stopped_at < 20 and "finished at step" not in first.output
+    ckpt = tmp_path / "stopped" / "ckpt"
+    from accel.cli.main import main
+
+    assert main(["checkpoint", "verify", str(ckpt)]) == 0  # every stage's pieces, each once
+
+    second = run_script(script, str(tmp_path / "stopped"), "20", "0", world_size=2,
+                        cwd=tmp_path, env=env).output
+    assert f"starting at step {stopped_at} on stage 0 of 2" in second
+    assert "finished at step 20" in second
+
+    want, before, after = _losses(straight), _losses(first.output), _losses(second)
+    assert len(want) == 20 and set(before) | set(after) == set(want)
+    assert {k: want[k] for k in before} == before and {k: want[k] for k in after} == after
+    expected, got = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "stopped")
+    assert expected.keys() == got.keys() and len(expected) == 20  # every stage's weights
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name

@@ -159,7 +159,8 @@ def plan_staged(
     tied = tie_map(model)  # a tied parameter: once, under its first name (its owner's)
     if isinstance(obj, nn.Module):
         current: Any = {k: v for k, v in model.state_dict().items() if k not in tied}
-        extra: dict[str, Any] = {"accumulation_step": accumulation_step, "pipelined": True}
+        extra: dict[str, Any] = {"accumulation_step": accumulation_step, "pipelined": True,
+                                 **_layout(model)}
     else:
         current = _named_optimizer_state(obj, model, tied)
         extra = {"fqn_keys": True, "pipelined": True}
@@ -185,6 +186,25 @@ def plan_staged(
             where[key] = {"offset": [0] * tensor.dim(), "shape": list(tensor.shape)}
     files += plan_object(tmp, f"{name}{SHARDS}_rank{rank}", pieces, {"pieces": where})
     return files
+
+
+def _layout(model: nn.Module) -> dict[str, Any]:
+    """What ``accel checkpoint inspect`` shows of the layout that saved ``model`` (loading
+    ignores it): the mesh (``{"dims", "shape"}``, as FSDP's pieces record it) and the
+    pipeline (``{"schedule", "stages": [units of each stage], "ranks": [stages of each
+    pipeline rank]}``)."""
+    from accel.parallel.pipeline.stages import pipeline_of
+
+    st = state()
+    pipe = pipeline_of(model)
+    out: dict[str, Any] = {}
+    if st.mesh is not None and st.mesh_shape is not None:
+        out["mesh"] = {"dims": list(st.mesh.mesh_dim_names or ()), "shape": list(st.mesh_shape)}
+    if pipe is not None:
+        out["pipeline"] = {"schedule": pipe.spec.name,
+                           "stages": [list(units) for units in pipe.stage_units],
+                           "ranks": [list(stages) for stages in pipe.rank_stages]}
+    return out
 
 
 def only_local(saved: Any, module: nn.Module, optimizer: bool) -> Any:

@@ -164,6 +164,10 @@ class Pipeline:
     """The pipeline rank holding the last stage (the loss is broadcast from it)."""
     ties: tuple[Tie, ...] = ()
     """Parameters tied across stages (their gradients are summed after each step)."""
+    stage_units: tuple[tuple[str, ...], ...] = ()
+    """Every stage's own units, by stage number (what ``save_state`` records)."""
+    rank_stages: tuple[tuple[int, ...], ...] = ()
+    """The stages each pipeline rank runs, by pipeline rank."""
 
     @property
     def has_first(self) -> bool:
@@ -358,6 +362,9 @@ def pipeline_model(
         stage_indices=local, num_stages=num_stages, microbatches=count, slot=slot,
         group=group, units=plan_of.units, last_rank=0 if spec.layout == "v" else pp - 1,
         ties=tuple(ties),
+        stage_units=tuple(tuple(u for u, s in zip(plan_of.units, plan_of.stages, strict=True)
+                                if s == index) for index in range(num_stages)),
+        rank_stages=tuple(spec.stages_of(r, pp, per_rank) for r in range(pp)),
     )
     mark_copies(ties, model)  # the parameters as sharded: each tie counted once in norms
     model.__dict__[_PIPELINE] = record

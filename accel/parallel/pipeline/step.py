@@ -80,15 +80,17 @@ def _run(model: nn.Module, pipe: Pipeline, inputs: Any, labels: Any,
             "mean is not the batch's). Use a batch size divisible by the microbatches, or "
             "`accel.prepare_model(..., microbatches=...)` that divides it."
         )
-    device = state().device
+    st = state()
+    device = st.device
     if not torch.is_grad_enabled():
         return _evaluate(model, pipe, inputs, labels, loss_fn, return_outputs)
-    # fp16: every stage's GradScaler takes its scale now (only the last stage scales a loss;
-    # the others unscale the gradients that loss sent back, by the same agreed scale)
-    PRECISIONS[state().mixed_precision].scale_loss(torch.ones((), device=device))
+    if st.mixed_precision == "fp16":  # every stage's GradScaler takes its scale now (only
+        # the last stage scales a loss; the others unscale the gradients that loss sent
+        # back, by the same agreed scale)
+        PRECISIONS["fp16"].scale_loss(torch.ones((), device=device))
     slot = pipe.slot
     slot.fn, slot.losses = loss_fn, []
-    slot.scale = _scaler(pipe.microbatches * state().gradient_accumulation_steps)
+    slot.scale = _scaler(pipe.microbatches * st.gradient_accumulation_steps)
     args = as_args(inputs) if pipe.has_first else ()
     target = labels if pipe.has_last else None
     try:
