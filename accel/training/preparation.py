@@ -104,7 +104,8 @@ def _prepare_deepspeed(objects: tuple[Any, ...]) -> list[Any]:
     ]
     user_optimizer = getattr(optimizers[0], "optimizer", optimizers[0]) if optimizers else None
     loaders = [r for r in results if hasattr(r, "total_batch_size")]
-    run = initialize(models[0], user_optimizer, loaders)
+    schedulers = [obj for obj in objects if isinstance(obj, LRScheduler)]
+    run = initialize(models[0], user_optimizer, loaders, schedulers[0] if schedulers else None)
     _mark(models[0], run.engine)
     _mark(run.engine, run.engine)
     for index, obj in enumerate(objects):

@@ -1,7 +1,12 @@
-"""A DeepSpeed config that names its own optimizer (no torch optimizer passed to
-``accel.prepare``) trains on 2 CPU processes as one plain process with torch's AdamW and
-resumes exactly (``save_state(model=engine, optimizer=engine.optimizer)``), and DeepSpeed
-compiles nothing: on a CPU its Adam/AdamW become torch's (``torch_adam``)."""
+"""A DeepSpeed config that names its own optimizer, on 2 CPU processes:
+
+- with no torch optimizer passed to ``accel.prepare`` DeepSpeed builds it: it trains as one
+  plain process with torch's AdamW and resumes exactly
+  (``save_state(model=engine, optimizer=engine.optimizer)``), and DeepSpeed compiles nothing
+  (on a CPU its Adam/AdamW become torch's, ``torch_adam``);
+- a template config whose optimizer values are all ``"auto"`` (and a WarmupLR section) takes
+  them from the loop's torch AdamW under ZeRO-3, as one process with that AdamW and WarmupLR.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                        reason="needs the deepspeed extra"),
     pytest.mark.preload("deepspeed", "deepspeed.runtime.engine",
-                        "deepspeed.runtime.zero.stage_1_and_2"),
+                        "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3"),
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
@@ -93,3 +98,57 @@ def test_the_configs_adamw_trains_as_torch_adamw_resumes_and_builds_nothing(
             torch.testing.assert_close(out["weights"][name], value, atol=1e-5, rtol=0)
             assert torch.equal(out["weights_again"][name], out["weights"][name])
         assert out["extensions"] == had_extensions  # nothing compiled
+
+
+# the shape of the templates Accelerate and transformers ship: every optimizer value "auto"
+TEMPLATE = {
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                                                  "warmup_max_lr": "auto",
+                                                  "warmup_num_steps": 3}},
+    "zero_optimization": {"stage": 3},
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+}
+
+
+def _template_run() -> dict[str, Any]:
+    model = _net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    model, optimizer, loader = accel.prepare(model, optimizer,
+                                             DataLoader(_data(), batch_size=PER_RANK))
+    losses = []
+    for x, y in loader:
+        loss = nn.functional.mse_loss(model(x), y)
+        accel.backward(loss)
+        optimizer.step()  # the engine: the optimizer step, then the config's WarmupLR
+        optimizer.zero_grad()
+        losses.append(float(accel.reduce(loss.detach(), "mean")))
+    return {"losses": losses, "weights": accel.get_state_dict(model),
+            "optimizer": type(model.optimizer.optimizer).__name__}
+
+
+def test_a_template_config_takes_its_autos_from_the_loops_optimizer_under_zero3() -> None:
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    results = run_distributed(_template_run, world_size=2, strategy="deepspeed",
+                              deepspeed_config=TEMPLATE, timeout=120)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    schedule = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=LR, warmup_num_steps=3)
+    losses = []
+    for x, y in DataLoader(_data(), batch_size=2 * PER_RANK):
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    for out in results:
+        assert out["optimizer"] == "AdamW"  # the loop's torch AdamW
+        assert out["losses"] == pytest.approx(losses, abs=1e-5)
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(out["weights"][name], value, atol=1e-5, rtol=0)

@@ -32,6 +32,7 @@ import attrs
 
 from accel.core.settings import OFFLOAD_DEVICES
 from accel.errors import ConfigError
+from accel.parallel.deepspeed.sections import Client, reconcile
 
 __all__ = [
     "AUTO", "Facts", "Resolved", "build_config", "load_config", "partition_config",
@@ -59,6 +60,9 @@ class Facts:
     gradient_clipping: float | None = None
     hidden_size: int | None = None
     client_optimizer: bool = True
+    client: Client | None = None
+    """The loop's own optimizer and scheduler, which settle the config's optimizer and
+    scheduler sections (:mod:`~accel.parallel.deepspeed.sections`)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -335,6 +339,8 @@ def resolve_config(config: Mapping[str, Any], facts: Facts) -> Resolved:
     _precision(out, facts.mixed_precision)
     clip_from_loop = _clipping(out, facts)
     _zero_sizes(out, facts.hidden_size)
+    if facts.client is not None:
+        out = reconcile(out, facts.client)
     if facts.client_optimizer:
         if "optimizer" in out:
             raise ConfigError(

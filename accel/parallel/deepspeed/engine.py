@@ -34,6 +34,7 @@ from accel.core.state import state
 from accel.errors import ConfigError
 from accel.parallel.deepspeed.config import Facts, build_config, resolve_config
 from accel.parallel.deepspeed.ops import prefer_torch_adam, warn_builds
+from accel.parallel.deepspeed.sections import Client
 from accel.precision.casting import prepare_forward
 
 __all__ = [
@@ -200,7 +201,7 @@ def start_deepspeed() -> ModuleType:
 
 
 def initialize(
-    model: nn.Module, optimizer: Any, loaders: Iterable[Any]
+    model: nn.Module, optimizer: Any, loaders: Iterable[Any], scheduler: Any = None
 ) -> EngineRun:
     """Hand ``model`` and ``optimizer`` to ``deepspeed.initialize`` with the resolved config.
 
@@ -210,6 +211,8 @@ def initialize(
         model: the user's module (not yet prepared).
         optimizer: the user's torch optimizer, or ``None`` when the config builds one.
         loaders: the prepared data loaders (the first gives the micro batch size).
+        scheduler: the user's torch LR scheduler passed with them, or ``None`` (the config's
+            ``"scheduler"`` section is refused beside one).
 
     Returns:
         The block's :class:`EngineRun`.
@@ -244,6 +247,7 @@ def initialize(
         gradient_clipping=None if clip is None else float(clip),
         hidden_size=_hidden_size(model),
         client_optimizer=optimizer is not None,
+        client=Client.of(optimizer, scheduler),
     )
     resolved = resolve_config(config, facts)
     ds = start_deepspeed()
