@@ -59,6 +59,34 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+def _built_extensions() -> set[str]:
+    """C++ extensions built under torch's default extensions root (DeepSpeed's ops...)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torch_extensions")
+    found = set()
+    for folder, _, files in os.walk(root):
+        found.update(os.path.join(folder, f) for f in files if f.endswith(".so"))
+    return found
+
+
+_EXTENSIONS_AT_START: set[str] = set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _EXTENSIONS_AT_START.update(_built_extensions())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """No test may compile a C++ extension (a DeepSpeed op built at first use takes minutes:
+    CI has no time for it). Checked once, by the controlling process."""
+    if hasattr(session.config, "workerinput"):
+        return
+    new = sorted(_built_extensions() - _EXTENSIONS_AT_START)
+    if new:
+        print(f"\nERROR: the tests compiled C++ extensions at run time: {new}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def _environ() -> dict[str, str]:
     # pytest and torch itself (e.g. TORCHINDUCTOR_CACHE_DIR on first use) set a few variables,
     # and `import deepspeed` sets PYTORCH_NVML_BASED_CUDA_CHECK (transformers imports it lazily)

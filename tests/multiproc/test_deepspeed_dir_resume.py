@@ -55,6 +55,8 @@ def _deepspeed(root: str, stage: int) -> dict[str, Any]:
 
     st = accel.state()
     os.environ["LOCAL_RANK"] = str(st.local_rank)  # what DeepSpeed's launcher sets
+    # gloo reduces on the CPU: no shared-memory op (DeepSpeed would compile it, ~1 min)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     model = toy(seed=stage)
     optimizer = _optimizer(model.parameters())
     zero: dict[str, Any] = {"stage": stage}
