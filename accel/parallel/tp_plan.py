@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -152,9 +153,44 @@ _PAIR_HINT = (
 )
 
 
+_SAID_PARTIAL: set[str] = set()
+
+
+def _applicable(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a model's own plan accel can apply. Left out: patterns naming no module
+    of this configuration (a model's plan covers its variants: Qwen2-MoE's dense MLPs), and,
+    said once per model class, transformers' styles for fused expert weights
+    (``packed_colwise``, ``moe_tp_experts``...) and patterns naming a parameter rather than a
+    module: those weights stay whole on every tp rank, which computes the same, in their full
+    memory."""
+    modules = [name for name, _ in model.named_modules() if name]
+    params = [name for name, _ in model.named_parameters()]
+    kept: dict[str, Any] = {}
+    left: list[str] = []
+    for pattern, style in plan.items():
+        on_a_module = any(_matches(pattern, name) for name in modules)
+        on_a_parameter = not on_a_module and any(_matches(pattern, name) for name in params)
+        if not on_a_module and not on_a_parameter:
+            continue  # a layer kind this configuration lacks (Qwen2-MoE's dense MLPs)
+        if (isinstance(style, str) and style not in STYLE_NAMES) or on_a_parameter:
+            left.append(f"{pattern!r}: {style!r}")
+        else:
+            kept[pattern] = style
+    name = type(model).__name__
+    if left and name not in _SAID_PARTIAL:
+        _SAID_PARTIAL.add(name)
+        warnings.warn(
+            f"tp_plan='auto': {name}'s own plan has entries accel cannot apply yet "
+            f"({', '.join(left)}); those weights stay whole on every tp rank (the same "
+            "results, in their full memory on each). The rest of its plan is applied.",
+            stacklevel=4,
+        )
+    return kept
+
+
 def _resolve_plan(model: nn.Module, tp_plan: object) -> dict[str, Any]:
     if isinstance(tp_plan, str) and tp_plan == "auto":
-        return model_plan(model)
+        return _applicable(model, model_plan(model))
     if isinstance(tp_plan, Mapping):
         return dict(tp_plan)
     raise ConfigError(
