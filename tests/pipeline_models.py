@@ -246,16 +246,14 @@ def refused_with_cp() -> dict[str, Any]:
             "sizes": (st.pp_world_size, st.dp_world_size, st.cp_world_size)}
 
 
-def refused_compile_with_tp() -> str:
-    """``prepare_model``'s refusal of regional compile with TP inside the stages."""
-    from accel.errors import ConfigError
-
-    try:
-        accel.prepare_model(make("llama"), pp_plan="auto", tp_plan="auto",
-                            compile={"regional": True, "backend": "aot_eager"})
-    except ConfigError as error:
-        return str(error)
-    return "not refused"
+def compiled_llama_tp() -> dict[str, Any]:
+    """:func:`train` on the tiny Llama split by its own plan over the ``tp`` dim, each block
+    compiled (regional, ``aot_eager``: no C++ build), pipelined under a ``pp`` dim."""
+    prepare: dict[str, Any] = {"tp_plan": "auto",
+                               "compile": {"regional": True, "backend": "aot_eager"}}
+    if accel.state().pp_world_size > 1:
+        prepare.update(pp_plan="auto", pp_schedule="1F1B", microbatches=4)
+    return train("llama", **prepare)
 
 
 def fp8_stages() -> dict[str, Any]:

@@ -67,12 +67,39 @@ def to_style(style: object, pattern: str) -> ParallelStyle:
     if style in ("colwise_gather_output", "colwise_rep"):  # the output gathered in full
         return ColwiseParallel(output_layouts=Replicate())
     if style in ("rowwise_split_input", "rowwise_rep", "embedding_rowwise"):
-        return RowwiseParallel(input_layouts=Replicate())  # a full input, split here
+        return _embedding_rowwise()  # a full input, split here
     raise ConfigError(
         f"tp_plan[{pattern!r}] = {style!r} is not a style accel can apply; use one of "
         f"{list(STYLE_NAMES)} or a torch ParallelStyle (e.g. "
         "`torch.distributed.tensor.parallel.ColwiseParallel(use_local_output=False)`)."
     )
+
+
+def _embedding_rowwise() -> ParallelStyle:
+    """``RowwiseParallel(input_layouts=Replicate())`` whose output, on an ``nn.Embedding``, is
+    a plain tensor.
+
+    torch reduces the partial embeddings asynchronously and hands on an
+    ``AsyncCollectiveTensor``; fed to a compiled block (regional compile), AOTAutograd routes its
+    gradient past the reduction's backward, which then fails ("'Tensor' object has no attribute
+    '_local_tensor'"). One copy of the embeddings makes it a plain tensor (waiting for the
+    reduction, as the first op on it would).
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    class EmbeddingRowwise(RowwiseParallel):
+        @staticmethod
+        def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module,
+                               outputs: Any, device_mesh: Any) -> Any:
+            out = RowwiseParallel._prepare_output_fn(  # type: ignore[no-untyped-call]
+                output_layouts, use_local_output, mod, outputs, device_mesh)
+            if isinstance(out, AsyncCollectiveTensor) and isinstance(mod, nn.Embedding):
+                return out.clone()
+            return out
+
+    return EmbeddingRowwise(input_layouts=Replicate())
 
 
 def model_plan(model: nn.Module) -> dict[str, Any]:

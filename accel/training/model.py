@@ -154,14 +154,6 @@ def _split_pipeline(
                 "sends and receives of activations. Compile each stage's blocks instead: "
                 "`compile='regional'` (or `compile={'regional': True, ...options}`)."
             )
-        if plan is not None and st.tp_world_size > 1:
-            raise ConfigError(
-                f"prepare_model(compile='regional') with tp_size={st.tp_world_size} inside "
-                f"pipeline stages (pp_size={st.pp_world_size}) is not available: the backward "
-                "torch's stage runs fails on the compiled tensor-parallel blocks. Drop "
-                "`compile=` (TP inside the stages works), or compile with FSDP inside the "
-                "stages and no tp_size."
-            )
         if st.cp_world_size > 1:
             raise ConfigError(
                 f"Pipeline parallelism (pp_size={st.pp_world_size}) with context parallelism "

@@ -284,11 +284,20 @@ def test_regional_compile_compiles_each_stages_blocks_and_equals_one_process() -
     _assert_same(out, _one_process())
 
 
-def test_regional_compile_with_tp_inside_the_stages_is_refused() -> None:
-    out = run_distributed(pm.refused_compile_with_tp, world_size=4, timeout=120, pp_size=2,
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="transformers not installed")
+@pytest.mark.preload("transformers", "transformers.models.llama.modeling_llama")
+@pytest.mark.slow
+@pytest.mark.ci_extra  # compiling each block takes 6-10 s
+@pytest.mark.parametrize("pp", [1, 2])
+def test_regional_compile_with_tp_equals_one_process_inside_stages_too(pp: int) -> None:
+    # the embedding's TP output reaches the first compiled block as a plain tensor (it was
+    # torch's AsyncCollectiveTensor, whose gradient AOTAutograd routed past the reduction:
+    # the backward failed, with or without a pipeline)
+    out = run_distributed(pm.compiled_llama_tp, world_size=2 * pp, timeout=180, pp_size=pp,
                           tp_size=2)
-    assert all("compile='regional') with tp_size=2 inside pipeline stages" in said
-               for said in out)
+    assert all(o["compiled"] for o in out)
+    _assert_same(out, _one_process("llama"), atol=5e-5)
 
 
 def test_pp_x_cp_ranks_follow_the_mesh_and_prepare_model_refuses_the_pair() -> None:
