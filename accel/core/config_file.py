@@ -13,6 +13,7 @@ environment leaves unset from it) and below ``accel launch`` / ``accel env``
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ from accel.errors import ConfigError
 __all__ = [
     "check_consistency",
     "config_path",
+    "deepspeed_policy",
     "default_config_path",
     "dump_config",
     "load_config",
@@ -228,3 +230,40 @@ def write_config(path: str | os.PathLike[str], settings: Mapping[str, object]) -
     partial.write_text(text, encoding="utf-8")
     os.replace(partial, target)
     return target
+
+
+_DS_CONFIG_MAX_BYTES = 1 << 20
+
+
+def deepspeed_policy(source: object) -> dict[str, object]:
+    """What a DeepSpeed config (a dict, or a JSON file's path) says of accel's own policy:
+    ``mixed_precision`` when exactly one of its ``bf16``/``fp16`` sections is enabled with
+    ``true``, ``gradient_accumulation_steps`` when it writes a number. ``accel.distributed``
+    takes them when neither its arguments nor the environment or config file give them (as
+    Accelerate reads them from a DeepSpeed config). Anything unreadable gives nothing here:
+    the engine reads the config again and says what is wrong with it.
+
+    Example:
+        >>> deepspeed_policy({"bf16": {"enabled": True}, "gradient_accumulation_steps": 4})
+        {'mixed_precision': 'bf16', 'gradient_accumulation_steps': 4}
+    """
+    config: object = source
+    if isinstance(source, str | os.PathLike):
+        try:
+            path = Path(source)
+            if not path.is_file() or path.stat().st_size > _DS_CONFIG_MAX_BYTES:
+                return {}
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+    if not isinstance(config, Mapping):
+        return {}
+    out: dict[str, object] = {}
+    enabled = [key for key in ("bf16", "fp16")
+               if isinstance(config.get(key), Mapping) and config[key].get("enabled") is True]
+    if len(enabled) == 1:
+        out["mixed_precision"] = enabled[0]
+    steps = config.get("gradient_accumulation_steps")
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1:
+        out["gradient_accumulation_steps"] = steps
+    return out

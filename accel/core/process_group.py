@@ -12,7 +12,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from accel.core.config_file import load_config
+from accel.core.config_file import deepspeed_policy, load_config
 from accel.core.env import LaunchEnv, read_launch_env, read_variable
 from accel.core.mesh import SIZE_KEYS, build_mesh, mesh_shape
 from accel.core.options import check_options
@@ -297,6 +297,13 @@ def _start(
     if shape is not None and shape.dp_shard > 1 and changes["strategy"] is None:
         changes = {**changes, "strategy": "fsdp"}
     method = _cp_method(env.cp_method, device) if shape is not None and shape.cp > 1 else None
+    strategy = changes["strategy"] if changes["strategy"] is not None else env.strategy
+    if str(strategy).lower() == "deepspeed":  # the DeepSpeed config speaks where nothing else did
+        given = {"mixed_precision": env.mixed_precision,
+                 "gradient_accumulation_steps": env.gradient_accumulation_steps}
+        said = deepspeed_policy(options.get("deepspeed_config"))
+        changes = {**changes, **{key: value for key, value in said.items()
+                                 if changes[key] is None and given[key] is None}}
     policy = resolve_policy(env, world_size=world, **changes)
     if policy["strategy"] == "deepspeed":
         _require_deepspeed()

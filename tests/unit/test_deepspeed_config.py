@@ -170,3 +170,33 @@ def test_unknown_option_names_the_closest_and_import_stays_light() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, timeout=60)
     assert done.stdout.strip() == "False"
+
+
+def test_the_deepspeed_config_gives_the_precision_and_accumulation_nothing_else_gave(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import accel
+    from accel.core.config_file import deepspeed_policy
+
+    config = {"bf16": {"enabled": True}, "fp16": {"enabled": "auto"},
+              "gradient_accumulation_steps": 2}
+    assert deepspeed_policy(config) == {"mixed_precision": "bf16",
+                                        "gradient_accumulation_steps": 2}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    assert deepspeed_policy(str(path)) == deepspeed_policy(config)
+    assert deepspeed_policy({"bf16": {"enabled": "auto"}, "gradient_accumulation_steps": "auto"}
+                            ) == {}
+    assert deepspeed_policy(str(tmp_path / "missing.json")) == {}  # the engine says what is wrong
+    for name in ("ACCEL_MIXED_PRECISION", "ACCEL_GRADIENT_ACCUMULATION_STEPS"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "empty.toml").write_text("")
+    monkeypatch.setenv("ACCEL_CONFIG_FILE", str(tmp_path / "empty.toml"))  # no user file
+    with accel.distributed(cpu=True, strategy="deepspeed", deepspeed_config=str(path)) as st:
+        assert (st.mixed_precision, st.gradient_accumulation_steps) == ("bf16", 2)
+    with accel.distributed(cpu=True, strategy="deepspeed", deepspeed_config=config,
+                           mixed_precision="no") as st:  # an argument wins (then the engine
+        assert (st.mixed_precision, st.gradient_accumulation_steps) == ("no", 2)  # refuses)
+    monkeypatch.setenv("ACCEL_GRADIENT_ACCUMULATION_STEPS", "4")
+    with accel.distributed(cpu=True, strategy="deepspeed", deepspeed_config=config) as st:
+        assert st.gradient_accumulation_steps == 4  # the environment wins too
