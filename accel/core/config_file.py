@@ -9,6 +9,9 @@ environment leaves unset from it) and below ``accel launch`` / ``accel env``
     num_processes = 2          # in total, across all machines
     mixed_precision = "bf16"
     gradient_accumulation_steps = 4
+
+Also here: :func:`deepspeed_policy`, what a DeepSpeed config file says of the same two
+settings (read where nothing else sets them, under ``strategy="deepspeed"``).
 """
 
 from __future__ import annotations
