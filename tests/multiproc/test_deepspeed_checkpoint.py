@@ -115,6 +115,8 @@ def _hop(load_from: str | None, save_to: str | None, first: int) -> dict[str, An
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.ci_extra  # four hops of engines, ~9 s
 def test_one_checkpoint_crosses_zero3_zero2_fsdp2_and_one_process(tmp_path: Path) -> None:
     # ZeRO-3 on 2 -> ZeRO-2 on 3 -> FSDP2 on 2 -> one plain process: each hop resumes from
     # the previous hop's checkpoint and takes the step the previous hop took after saving

@@ -150,6 +150,7 @@ def _gpt2_run(initial: dict[str, torch.Tensor] | None) -> dict[str, Any]:
 
 
 @pytest.mark.slow  # transformers in the workers
+@pytest.mark.ci_extra  # ~6 s
 @pytest.mark.preload("transformers", "transformers.models.gpt2.modeling_gpt2")
 def test_transformers_gpt2_built_partitioned_trains_as_one_process() -> None:
     pytest.importorskip("transformers")

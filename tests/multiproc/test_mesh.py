@@ -193,6 +193,7 @@ def test_save_model_on_a_mesh_writes_the_full_weights(saved: dict[str, Any]) -> 
 
 
 @pytest.mark.slow  # 8 runs
+@pytest.mark.ci_extra  # ~8 s
 def test_a_checkpoint_travels_2x2_to_4x1_to_1_to_2x2(tmp_path: Path) -> None:
     """Each stage resumes the previous stage's checkpoint on another mesh, trains and saves;
     one process doing the same stages ends with the same weights."""
