@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 from torch import nn
 
+from accel.comm.collectives import gather_object
 from accel.comm.failures import describe
 from accel.errors import CheckpointError
 from accel.training.model import unwrap_model
 
-__all__ = ["Call", "call_of", "settle"]
+__all__ = ["Call", "agreed_target", "call_of", "settle"]
 
 _SHOWN = 8  # distinct values named per argument; more are counted
 _AGREED = {
@@ -135,3 +137,27 @@ def settle(op: str, calls: Sequence[Call], own: BaseException | None, effect: st
             + " | ".join(dict.fromkeys(f"rank {r}: {p}" for r, p in failed))
             + f"; {effect}."
         )
+
+
+def agreed_target(directory: Path, target: Path | None, kind: str) -> Path | None:
+    """The foreign checkpoint (``kind``: "Accelerate", "DeepSpeed") every rank found at
+    ``directory``, or ``None`` when no rank found one. A collective: every rank calls it.
+
+    Raises:
+        CheckpointError: the ranks found different ones (or some none), naming each rank's.
+
+    Example:
+        >>> agreed_target(Path("ckpt"), Path("ckpt"), "Accelerate")
+        PosixPath('ckpt')
+    """
+    seen = gather_object(None if target is None else os.fspath(target))
+    if all(s is None for s in seen):
+        return None
+    if len(set(seen)) > 1:
+        raise CheckpointError(
+            f"The ranks see different checkpoints at {os.fspath(directory)!r} (by rank: "
+            f"{seen}); every rank must reach the same {kind} checkpoint. Put it on a "
+            "filesystem every rank shares."
+        )
+    assert target is not None  # every rank saw the same non-None path
+    return target

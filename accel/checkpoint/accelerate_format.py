@@ -37,11 +37,11 @@ from torch.utils.data import DataLoader
 
 from accel._files.torch_pickle import InertObject, check_loaded, inert_globals
 from accel._files.torch_zip import is_zip, opened_torch_file
+from accel.checkpoint._agreement import agreed_target
 from accel.checkpoint._fit import check_fits
 from accel.checkpoint._loading import CheckpointInfo, load_into
 from accel.checkpoint._saving import unwrap
 from accel.checkpoint.layout import MANIFEST
-from accel.comm.collectives import gather_object
 from accel.comm.failures import agree_on_failure
 from accel.comm.gating import get_logger
 from accel.core.scope import scope
@@ -376,17 +376,9 @@ def load_accelerate_state(
         >>> load_accelerate_state(Path("acc_ckpt"), [], {"model": model})
         AccelerateCheckpointInfo(path=PosixPath('acc_ckpt'), step=None, ...)
     """
-    target = _target(directory, names)
-    seen = gather_object(None if target is None else os.fspath(target))
-    if all(s is None for s in seen):
+    target = agreed_target(directory, _target(directory, names), "Accelerate")  # every rank
+    if target is None:
         return None
-    if len(set(seen)) > 1:
-        raise CheckpointError(
-            f"The ranks see different checkpoints at {os.fspath(directory)!r} (by rank: "
-            f"{seen}); every rank must reach the same Accelerate checkpoint. Put it on a "
-            "filesystem every rank shares."
-        )
-    assert target is not None  # every rank saw the same non-None path
     with agree_on_failure(lambda errors: CheckpointError(
         f"load_state({os.fspath(directory)!r}) cannot load the Accelerate checkpoint at "
         f"{os.fspath(target)!r}: {errors}"

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from accel.checkpoint._agreement import agreed_target
 from accel.checkpoint._fit import check_fits
 from accel.checkpoint._loading import CheckpointInfo, load_into
 from accel.checkpoint._saving import unwrap
@@ -45,7 +46,6 @@ from accel.checkpoint.deepspeed_params import (
 )
 from accel.checkpoint.layout import MANIFEST
 from accel.checkpoint.sharded.reshard import resolve
-from accel.comm.collectives import gather_object
 from accel.comm.failures import agree_on_failure
 from accel.core.scope import scope
 from accel.errors import CheckpointError
@@ -214,17 +214,9 @@ def load_deepspeed_state(
         >>> load_deepspeed_state(Path("ds_ckpt"), [], {"model": model, "optimizer": opt})
         DeepSpeedCheckpointInfo(path=PosixPath('ds_ckpt/global_step3'), step=3, ...)
     """
-    target = _target(directory, names)
-    seen = gather_object(None if target is None else os.fspath(target))
-    if all(s is None for s in seen):
+    target = agreed_target(directory, _target(directory, names), "DeepSpeed")  # every rank
+    if target is None:
         return None
-    if len(set(seen)) > 1:
-        raise CheckpointError(
-            f"The ranks see different checkpoints at {os.fspath(directory)!r} (by rank: "
-            f"{seen}); every rank must reach the same DeepSpeed checkpoint. Put it on a "
-            "filesystem every rank shares."
-        )
-    assert target is not None  # every rank saw the same non-None path
     where = os.fspath(directory)
     with agree_on_failure(lambda errors: CheckpointError(
         f"load_state({where!r}) cannot load the DeepSpeed checkpoint there: {errors}"
