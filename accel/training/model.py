@@ -106,6 +106,23 @@ def _no_ddp_reason(chosen: str, world_size: int, evaluation_mode: bool, model: n
     return ""
 
 
+def _plan_to_apply(model: nn.Module, tp_plan: object) -> object | None:
+    """The tensor-parallel plan to apply: ``tp_plan`` as given; without one under a ``tp`` dim
+    > 1, ``"auto"`` for a model that carries its own plan (transformers); else ``None`` (a
+    model without a plan is left whole on every TP rank, said once)."""
+    if tp_plan is not None:
+        return tp_plan
+    tp = state().tp_world_size
+    if tp == 1:
+        return None
+    from accel.parallel.tensor_parallel import carries_plan, note_left_whole
+
+    if not carries_plan(model):
+        note_left_whole(model, tp)
+        return None
+    return "auto"
+
+
 def _split_tensor_parallel(model: nn.Module, tp_plan: object, device_placement: bool) -> bool:
     """Apply ``tp_plan`` on the state's mesh; whether the model was split.
 
@@ -113,15 +130,9 @@ def _split_tensor_parallel(model: nn.Module, tp_plan: object, device_placement: 
     is split by it (``"auto"``); any other model is left whole on every TP rank (said once).
     """
     st = state()
+    tp_plan = _plan_to_apply(model, tp_plan)
     if tp_plan is None:
-        if st.tp_world_size == 1:
-            return False
-        from accel.parallel.tensor_parallel import carries_plan, note_left_whole
-
-        if not carries_plan(model):
-            note_left_whole(model, st.tp_world_size)
-            return False
-        tp_plan = "auto"
+        return False
     from accel.parallel.tensor_parallel import apply_tensor_parallel
 
     if device_placement:
@@ -196,15 +207,9 @@ def _stage_tensor_plan(model: nn.Module, tp_plan: object) -> dict[str, Any] | No
     module name -> torch style, which each rank applies to its stages after the split;
     ``None`` when nothing is split (no ``tp`` dim, or a model without a plan of its own)."""
     st = state()
+    tp_plan = _plan_to_apply(model, tp_plan)
     if tp_plan is None:
-        if st.tp_world_size == 1:
-            return None
-        from accel.parallel.tensor_parallel import carries_plan, note_left_whole
-
-        if not carries_plan(model):
-            note_left_whole(model, st.tp_world_size)
-            return None
-        tp_plan = "auto"
+        return None
     from accel.parallel.tp_plan import check_plan
 
     chosen = check_plan(model, tp_plan, st.tp_world_size)
