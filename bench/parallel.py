@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -131,8 +132,19 @@ def _raw_clip(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     return total
 
 
+def _window(step: Any, steps: int) -> float:
+    """Microseconds per call of ``step`` over ``steps`` calls, the slowest rank's (every rank
+    starts together)."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    took = torch.tensor(time.perf_counter() - start)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took) / steps * 1e6
+
+
 def _windows(args: dict[str, Any]) -> dict[str, Any]:
-    import torch.distributed as dist
     from torch.distributed.tensor.experimental import implicit_replication
 
     st = accel.state()
@@ -164,13 +176,7 @@ def _windows(args: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
 
     def window(step: Any) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args["steps"]):
-            step()
-        took = torch.tensor(time.perf_counter() - start)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        return float(took) / args["steps"] * 1e6
+        return _window(step, args["steps"])
 
     for _ in range(3):  # warm-up: allocations, first collectives
         raw_step()
@@ -244,7 +250,6 @@ def _profile_own(step: Any, steps: int) -> tuple[float, list[list[Any]]]:
 
 def _pipeline_windows(args: dict[str, Any], schedule: str) -> dict[str, Any]:
     """One schedule: the raw torch loop and accel's in alternating windows, same processes."""
-    import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, schedules
 
     from accel.core.mesh import pp_mesh
@@ -289,13 +294,7 @@ def _pipeline_windows(args: dict[str, Any], schedule: str) -> dict[str, Any]:
         opt.zero_grad()
 
     def window(step: Any) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(args["steps"]):
-            step()
-        took = torch.tensor(time.perf_counter() - start)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        return float(took) / args["steps"] * 1e6
+        return _window(step, args["steps"])
 
     for _ in range(3):  # warm-up: shape inference, allocations, the optimizers' state
         raw_step()
