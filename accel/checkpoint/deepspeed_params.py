@@ -42,10 +42,11 @@ from accel.checkpoint.deepspeed_files import (
     rank_files,
     tag_dir,
 )
+from accel.checkpoint.objects import Entry
 from accel.errors import CheckpointError
 
 __all__ = [
-    "DeepSpeedTag", "DeepSpeedWeights", "Entry", "OptimizerState", "open_deepspeed",
+    "DeepSpeedTag", "DeepSpeedWeights", "OptimizerState", "open_deepspeed",
     "optimizer_state", "read_tag", "weights",
 ]
 
@@ -66,15 +67,6 @@ def _span(parts: Sequence[torch.Tensor], start: int, length: int) -> torch.Tenso
 
 def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
-
-
-@attrs.frozen
-class Entry:
-    """One tensor :func:`open_deepspeed` gives: its name, full shape and dtype."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 @attrs.frozen

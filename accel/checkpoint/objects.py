@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from accel._files.format import read_safetensors
@@ -29,7 +30,21 @@ from accel._files.writer import PlannedFile, plan_bytes, plan_safetensors
 from accel.checkpoint.encode import decode, encode
 from accel.errors import CheckpointError
 
-__all__ = ["plan_object", "read_object", "read_structure"]
+__all__ = ["Entry", "plan_object", "read_object", "read_structure"]
+
+
+@attrs.frozen
+class Entry:
+    """One tensor a checkpoint holds, as a reader lists it: its name, full shape and dtype.
+
+    Example:
+        >>> Entry("lm_head.weight", (64, 32), torch.float32).shape
+        (64, 32)
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 def plan_object(

@@ -25,21 +25,12 @@ import torch
 
 from accel._files.format import read_safetensors
 from accel.checkpoint.layout import MANIFEST, candidates, is_complete, read_manifest
-from accel.checkpoint.objects import read_structure
+from accel.checkpoint.objects import Entry, read_structure
 from accel.errors import CheckpointError
 
 __all__ = ["Entry", "ModelTensors", "open_model", "resolve_checkpoint"]
 
 _PREFIXES = ("module.", "_orig_mod.")
-
-
-@attrs.frozen
-class Entry:
-    """One tensor of the output: its name, shape and dtype as stored in the checkpoint."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 @attrs.frozen
@@ -294,7 +285,7 @@ def open_model(path: Path, kind: str, wanted: str | None) -> ModelTensors:
         from accel.checkpoint.deepspeed_params import open_deepspeed
 
         found = open_deepspeed(path, wanted)
-        entries = [Entry(e.name, e.shape, e.dtype) for e in found.entries]
-        return ModelTensors(found.tag, "deepspeed", found.tag.name, entries, found.read, False,
+        return ModelTensors(found.tag, "deepspeed", found.tag.name, found.entries, found.read,
+                            False,
                             found.skipped)
     return (_accel_source if kind == "accel" else _accelerate_source)(path, wanted)
