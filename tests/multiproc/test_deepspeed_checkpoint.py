@@ -10,7 +10,6 @@ at every hop.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +20,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accel
 from accel.testing import run_distributed
+from tests.deepspeed_marks import DEEPSPEED
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                       reason="needs the deepspeed extra"),
-    pytest.mark.preload("deepspeed", "deepspeed.runtime.engine",
-                        "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
+pytestmark = DEEPSPEED
 
 ROWS, GLOBAL, LR = 32, 8, 0.01
 CHAIN_ROWS, CHAIN_GLOBAL = 72, 12  # batches that 1, 2 and 3 processes split evenly

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -22,14 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accel
 from accel.testing import run_distributed
+from tests.deepspeed_marks import DEEPSPEED
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                       reason="needs the deepspeed extra"),
-    pytest.mark.preload("deepspeed", "deepspeed.runtime.engine",
-                        "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
+pytestmark = DEEPSPEED
 
 LR, DECAY, PER_RANK = 0.01, 0.1, 4
 CONFIG = {

@@ -13,7 +13,6 @@ through accel: the same third step gives the same loss and weights within 1e-5.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import warnings
 from pathlib import Path
@@ -27,15 +26,10 @@ import accel
 from accel.checkpoint.deepspeed_format import DeepSpeedCheckpointInfo
 from accel.errors import CheckpointError
 from accel.testing import run_distributed
+from tests.deepspeed_marks import DEEPSPEED
 from tests.tied_models import GLOBAL_BATCH, loss_of, tokens, toy
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                       reason="needs the deepspeed extra"),
-    pytest.mark.preload("deepspeed", "deepspeed.runtime.engine",
-                        "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
+pytestmark = DEEPSPEED
 
 STEPS, LR = 2, 1e-2
 

@@ -9,7 +9,6 @@ shared-memory op is skipped on the CPU and the optimizers are torch's.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -22,14 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import accel
 from accel.errors import ConfigError
 from accel.testing import run_distributed
+from tests.deepspeed_marks import DEEPSPEED
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                       reason="needs the deepspeed extra"),
-    pytest.mark.preload("deepspeed", "deepspeed.runtime.engine",
-                        "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
+pytestmark = DEEPSPEED
 
 ROWS, PER_RANK, LR, CLIP = 64, 4, 0.01, 0.5
 

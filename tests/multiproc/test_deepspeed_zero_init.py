@@ -12,7 +12,6 @@ trains as one process. (That the context does nothing outside ZeRO-3, and refuse
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +22,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accel
 from accel.testing import run_distributed
+from tests.deepspeed_marks import DEEPSPEED
 
-pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                       reason="needs the deepspeed extra"),
-    pytest.mark.preload("deepspeed", "deepspeed.runtime.engine",
-                        "deepspeed.runtime.zero.stage3", "deepspeed.runtime.zero.stage_1_and_2"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
+pytestmark = DEEPSPEED
 
 ROWS, PER_RANK, LR = 32, 4, 0.01
 
