@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,20 +71,31 @@ def _zero2(checkpoint: str) -> dict[str, Any]:
     }
 
 
-def test_the_configs_adamw_trains_as_torch_adamw_resumes_and_builds_nothing(
-        tmp_path: Path) -> None:
-    had_extensions = os.path.isdir(os.path.expanduser("~/.cache/torch_extensions"))
-    results = run_distributed(_zero2, str(tmp_path / "ckpt"), world_size=2, strategy="deepspeed",
-                              deepspeed_config=CONFIG, timeout=120)
+def _plain(schedule: Callable[[torch.optim.Optimizer], Any] | None = None
+           ) -> tuple[nn.Module, list[float]]:
+    """One plain process with torch's AdamW (and ``schedule(optimizer)`` stepped after it) on
+    the global batches: the model and its losses."""
     model = _net()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    scheduler = None if schedule is None else schedule(opt)
     losses = []
     for x, y in DataLoader(_data(), batch_size=2 * PER_RANK):
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
+    return model, losses
+
+
+def test_the_configs_adamw_trains_as_torch_adamw_resumes_and_builds_nothing(
+        tmp_path: Path) -> None:
+    had_extensions = os.path.isdir(os.path.expanduser("~/.cache/torch_extensions"))
+    results = run_distributed(_zero2, str(tmp_path / "ckpt"), world_size=2, strategy="deepspeed",
+                              deepspeed_config=CONFIG, timeout=120)
+    model, losses = _plain()
     for out in results:
         assert out["optimizer"] == "AdamW"
         assert out["losses"] == pytest.approx(losses, abs=1e-5)
@@ -130,17 +142,8 @@ def test_a_template_config_takes_its_autos_from_the_loops_optimizer_under_zero3(
 
     results = run_distributed(_template_run, world_size=2, strategy="deepspeed",
                               deepspeed_config=TEMPLATE, timeout=120)
-    model = _net()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
-    schedule = WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=LR, warmup_num_steps=3)
-    losses = []
-    for x, y in DataLoader(_data(), batch_size=2 * PER_RANK):
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        schedule.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
+    model, losses = _plain(
+        lambda opt: WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=LR, warmup_num_steps=3))
     for out in results:
         assert out["optimizer"] == "AdamW"  # the loop's torch AdamW
         assert out["losses"] == pytest.approx(losses, abs=1e-5)
