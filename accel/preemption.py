@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from accel.core.exit_refs import keep_until_exit
 from accel.core.scope import ScopeSlot, at_block_exit
 from accel.core.state import current_gate, has_active_state, state
 from accel.errors import GatedCollectiveError, NotDistributedError
@@ -37,12 +38,6 @@ STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT, signa
 _PERIOD_S = 0.02  # aim for one agreement collective per this much loop time
 _MAX_INTERVAL = 256  # but at least one every this many calls
 _REPEAT_WINDOW_S = 2.0  # a signal this soon after the first is the same request, delivered twice
-
-# agreement collectives a failing block left in flight: kept referenced to the interpreter's end so
-# that gloo's worker thread, finishing one late, never frees its tensors (which needs the GIL)
-# while the interpreter finalizes (that aborts the process: "terminate called without an active
-# exception")
-_LEFT_IN_FLIGHT: list[tuple[Any, torch.Tensor]] = []
 
 _Handler = Callable[[int, FrameType | None], Any] | int | None
 
@@ -162,13 +157,14 @@ class _Watch:
     def finish(self, *, failed: bool) -> None:
         """Wait for the pending all-reduce (clean exit only), restore handlers, free the group."""
         try:
-            if self.work is not None and not failed:
-                try:
-                    self.work.wait()
-                except RuntimeError:  # a peer already left: nothing left to agree with
-                    pass
-            if self.work is not None and failed:
-                _LEFT_IN_FLIGHT.append((self.work, self.buffer))
+            if self.work is not None:
+                # never freed by gloo's worker thread while the interpreter ends (exit_refs)
+                keep_until_exit(self.work, self.buffer)
+                if not failed:
+                    try:
+                        self.work.wait()
+                    except RuntimeError:  # a peer already left: nothing left to agree with
+                        pass
             self.work = None
             if self.own_group and not failed:
                 dist.destroy_process_group(self.group)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from accel.core.config_file import deepspeed_policy, load_config
 from accel.core.env import LaunchEnv, read_launch_env, read_variable
+from accel.core.exit_refs import final_barrier
 from accel.core.mesh import SIZE_KEYS, build_mesh, mesh_shape
 from accel.core.options import check_options
 from accel.core.scope import Scope, run_exit_steps
@@ -444,12 +445,11 @@ def _teardown() -> None:
 
     Without the barrier a rank that finishes first closes its connections while a peer's
     last collective is still completing in gloo's background threads, which can abort the
-    peer at exit ("terminate called without an active exception").
+    peer at exit ("terminate called without an active exception"). The barrier's work is kept
+    to the interpreter's end (:func:`accel.core.exit_refs.final_barrier`): its late release by
+    a worker thread during finalization aborted the process the same way.
     """
-    try:
-        dist.barrier()
-    except RuntimeError:  # a peer already failed: nothing left to synchronise with
-        pass
+    final_barrier()
     dist.destroy_process_group()
 
 

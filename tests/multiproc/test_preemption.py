@@ -98,8 +98,9 @@ def test_block_ends_with_an_agreement_in_flight(world_size: int) -> None:
 
 
 FAIL_IN_FLIGHT = """
+import torch.distributed as dist
 import accel
-from accel import preemption
+from accel.core import exit_refs
 
 try:
     with accel.distributed():
@@ -107,7 +108,7 @@ try:
         raise ValueError("boom")
 except ValueError:
     pass
-print("kept", len(preemption._LEFT_IN_FLIGHT))
+print("kept", sum(isinstance(o, dist.Work) for o in exit_refs._KEPT))
 """
 
 

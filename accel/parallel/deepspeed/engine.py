@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from accel.core.env import read_variable
+from accel.core.exit_refs import final_barrier
 from accel.core.scope import ScopeSlot, at_block_exit
 from accel.core.settings import DEEPSPEED_KEYS
 from accel.core.state import state
@@ -176,6 +177,7 @@ def _one_process_group() -> None:
 
     def _leave(failed: bool) -> None:
         if dist.is_initialized():
+            final_barrier()  # one process: never waits on anyone (see accel.core.exit_refs)
             dist.destroy_process_group()
 
     at_block_exit(_leave)
