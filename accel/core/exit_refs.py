@@ -34,8 +34,8 @@ def keep_until_exit(*objects: object) -> None:
     _KEPT.extend(objects)
 
 
-def final_barrier(group: object = None) -> bool:
-    """A barrier before a group is destroyed, its work kept referenced until the interpreter ends.
+def final_barrier() -> bool:
+    """The default group's last barrier, its work kept referenced until the interpreter ends.
 
     The barrier's work holds every work of the group that a worker thread had not yet released,
     so keeping it keeps them all: no worker thread frees a tensor after this returns.
@@ -48,7 +48,7 @@ def final_barrier(group: object = None) -> bool:
         True
     """
     try:
-        work = dist.barrier(group=group, async_op=True)  # type: ignore[arg-type]
+        work = dist.barrier(async_op=True)
         keep_until_exit(work)
         work.wait()
     except RuntimeError:  # a peer already failed: nothing left to synchronise with

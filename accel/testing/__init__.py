@@ -70,7 +70,6 @@ def _worker(
     import torch
     import torch.distributed as dist
 
-    from accel.core.exit_refs import final_barrier
     from accel.core.process_group import distributed
 
     try:
@@ -99,7 +98,6 @@ def _worker(
             except Exception:  # its failure is reported already
                 pass
             return
-        final_barrier()  # its work kept to the interpreter's end (accel.core.exit_refs)
         dist.destroy_process_group()
         results.put((rank, True, pickle.dumps(value)))
     except BaseException as exc:  # report everything, including KeyboardInterrupt/SystemExit
