@@ -26,15 +26,21 @@ from accel._files.safe_io import MAX_JSON_BYTES, load_json, open_regular, open_w
 from accel.errors import CheckpointError
 
 __all__ = [
+    "DTYPE_NAMES",
+    "NAMED_DTYPES",
     "FileRecord",
+    "byte_view",
     "fsync_dir",
+    "map_safetensors",
+    "on_host",
     "read_safetensors",
     "safetensors_prefix",
     "write_bytes",
     "write_safetensors",
 ]
 
-_DTYPES: dict[torch.dtype, str] = {
+#: The safetensors name of every dtype the format stores (``torch.float32`` -> ``"F32"``).
+DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
     torch.uint8: "U8",
     torch.int8: "I8",
@@ -51,7 +57,8 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
-_NAMES = {name: dtype for dtype, name in _DTYPES.items()}
+#: The dtype of each safetensors name (``"F32"`` -> ``torch.float32``).
+NAMED_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 _CHUNK = 64 << 20  # CRC and write granularity for big tensors
 _PARALLEL_CHECK = 64 << 20  # files larger than this are checksummed by several threads
 _CHECKERS = 4
@@ -68,15 +75,27 @@ class FileRecord:
     crc32: int
 
 
-def _view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without copying (caller keeps it alive)."""
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying (caller keeps it alive).
+
+    Example:
+        >>> byte_view(torch.ones(2, dtype=torch.uint8)).tobytes()
+        b'\\x01\\x01'
+    """
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
-def _host(tensor: torch.Tensor) -> torch.Tensor:
+def on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, on the CPU and contiguous (copied only where it is not already),
+    ready for :func:`byte_view`.
+
+    Example:
+        >>> on_host(torch.ones(2, 3).t()).is_contiguous()
+        True
+    """
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.to("cpu")
@@ -121,14 +140,14 @@ def safetensors_prefix(
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
     for name, tensor in tensors.items():
-        if tensor.dtype not in _DTYPES:
+        if tensor.dtype not in DTYPE_NAMES:
             raise CheckpointError(
                 f"Tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store. "
                 f"Convert it first, e.g. `tensor.to(torch.float32)`."
             )
         nbytes = tensor.numel() * tensor.element_size()
         header[name] = {
-            "dtype": _DTYPES[tensor.dtype],
+            "dtype": DTYPE_NAMES[tensor.dtype],
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + nbytes],
         }
@@ -158,11 +177,11 @@ def write_safetensors(
         crc = zlib.crc32(prefix) if durable else 0
         f.write(prefix)
         for tensor in tensors.values():
-            host = _host(tensor)
+            host = on_host(tensor)
             if durable:
-                crc = _write_all(f, _view(host), crc)
+                crc = _write_all(f, byte_view(host), crc)
             else:
-                f.write(_view(host))
+                f.write(byte_view(host))
             del host
         if durable:
             f.flush()
@@ -203,7 +222,7 @@ def _check_entry(path: str | os.PathLike[str], name: str, info: object) -> None:
     if not isinstance(info, dict):
         raise _corrupt(path, f"the header entry of tensor {name!r} is {info!r:.80}")
     name_of = info.get("dtype")
-    dtype = _NAMES.get(name_of) if isinstance(name_of, str) else None
+    dtype = NAMED_DTYPES.get(name_of) if isinstance(name_of, str) else None
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if dtype is None:
         raise _corrupt(path, f"tensor {name!r} has the unknown dtype {info.get('dtype')!r:.40}")
@@ -349,7 +368,7 @@ def read_safetensors(
     tensors: dict[str, torch.Tensor] = {}
     for name, info in entries:
         start, end = info["data_offsets"]
-        dtype = _NAMES[info["dtype"]]
+        dtype = NAMED_DTYPES[info["dtype"]]
         if end == start:
             tensors[name] = torch.empty(info["shape"], dtype=dtype)
             continue

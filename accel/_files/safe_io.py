@@ -41,6 +41,7 @@ __all__ = [
     "open_lock",
     "open_regular",
     "open_write",
+    "pread_into",
     "read_bounded",
     "read_declared",
 ]
@@ -223,6 +224,31 @@ def read_bounded(
             "another checkpoint."
         )
     return data
+
+
+def pread_into(fd: int, buffer: memoryview, offset: int) -> int:
+    """Read from ``fd`` at ``offset`` into ``buffer`` (at most what one call returns).
+
+    ``os.preadv`` fills ``buffer`` in place where the platform has it; elsewhere one
+    ``os.pread`` is copied into it. The file position of ``fd`` does not move.
+
+    Args:
+        fd: An open, readable file descriptor.
+        buffer: A writable memoryview the bytes go into, from its start.
+        offset: Where in the file to read from.
+
+    Returns:
+        The number of bytes read: fewer than ``len(buffer)`` near the end, 0 at the end.
+
+    Example:
+        >>> buffer = memoryview(bytearray(8))
+        >>> got = pread_into(fd, buffer, 0)
+    """
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [buffer], offset)
+    data = os.pread(fd, len(buffer), offset)
+    buffer[: len(data)] = data
+    return len(data)
 
 
 def json_depth(data: bytes, limit: int = MAX_JSON_DEPTH) -> int:

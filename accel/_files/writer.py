@@ -34,7 +34,7 @@ import torch
 
 from accel._files import crc as _crc
 from accel._files.crc import join_crcs
-from accel._files.format import FileRecord, _host, _view, safetensors_prefix
+from accel._files.format import FileRecord, byte_view, on_host, safetensors_prefix
 from accel._files.safe_io import open_write
 from accel.errors import CheckpointCancelledError
 
@@ -175,7 +175,7 @@ def _slices(planned: PlannedFile) -> list[_Slice]:
         if isinstance(part, bytes):
             view = memoryview(part)
         elif part.device.type == "cpu" and part.is_contiguous():
-            view = _view(part.detach())  # the tensor's own memory
+            view = byte_view(part.detach())  # the tensor's own memory
         else:
             size = part.numel() * part.element_size()
             if size:
@@ -222,8 +222,8 @@ class _Run:
                 return
             if piece.view is None:  # a device or strided tensor: its host copy, then freed
                 assert piece.part is not None
-                host = _host(piece.part)  # kept alive by this name while its view is used
-                view, crc = _view(host), 0
+                host = on_host(piece.part)  # kept alive by this name while its view is used
+                view, crc = byte_view(host), 0
                 for start in range(0, len(view), _SLICE):
                     if stop.is_set():
                         return

@@ -34,7 +34,8 @@ import attrs
 import torch
 
 from accel._files.atomic import write_file_atomically
-from accel._files.format import _DTYPES, _NAMES, map_safetensors, write_safetensors
+from accel._files.format import DTYPE_NAMES, NAMED_DTYPES, map_safetensors, write_safetensors
+from accel._files.safe_io import pread_into
 from accel.errors import CheckpointError
 
 __all__ = ["MappedFile", "TensorSource", "give_back", "map_sources", "write_offload_file"]
@@ -115,7 +116,7 @@ class MappedFile:
         self._mm: mmap.mmap | None = mapped
         self._entries: dict[str, _Entry] = {
             key: _Entry(
-                _NAMES[info["dtype"]],
+                NAMED_DTYPES[info["dtype"]],
                 tuple(info["shape"]),
                 base + info["data_offsets"][0],
                 base + info["data_offsets"][1],
@@ -189,7 +190,7 @@ class MappedFile:
         buffer = raw.numpy().data  # a writable memoryview of the tensor's bytes
         done = 0
         while done < nbytes:
-            got = _pread_into(self._fd, buffer[done:], entry.start + done)
+            got = pread_into(self._fd, buffer[done:], entry.start + done)
             if got <= 0:
                 if spare:
                     _SPARES.give(raw)
@@ -297,15 +298,6 @@ def _open_regular(where: Path, path: Path) -> int:
     raise _bad_file(path, "it is not a regular file")
 
 
-def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
-    """Bytes read into ``buffer`` from ``offset`` (at most what one call returns)."""
-    if hasattr(os, "preadv"):
-        return os.preadv(fd, [buffer], offset)
-    data = os.pread(fd, len(buffer), offset)
-    buffer[: len(data)] = data
-    return len(data)
-
-
 def map_sources(
     sources: Mapping[str, TensorSource],
     shapes: Mapping[str, tuple[int, ...]],
@@ -365,7 +357,7 @@ def _write(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
     Offload files are scratch space remade at each dispatch, so no checksum and no fsync.
     """
     for name, tensor in tensors.items():
-        if tensor.dtype not in _DTYPES:
+        if tensor.dtype not in DTYPE_NAMES:
             raise CheckpointError(
                 f"Cannot offload {name!r} to disk: its dtype {tensor.dtype} has no safetensors "
                 "code. Keep its module on a device (`device_map={..., name: 'cpu'}`)."

@@ -2,8 +2,9 @@
 
 ``state`` (the two functions and ``latest_checkpoint``), ``rng`` (RNG states without pickle),
 ``_async`` (saves that finish in the background), ``sharded/`` (each rank's own pieces of
-DTensor state, and resharding them between meshes), ``accelerate_format`` (reading
-Accelerate's ``save_state`` directories). Model weights alone are :mod:`accel.weights`.
+DTensor state, and resharding them between meshes), ``foreign/`` (reading checkpoints that
+Accelerate's ``save_state`` and DeepSpeed's ``save_checkpoint`` wrote). Model weights alone
+are :mod:`accel.weights`.
 
 Names load on first use, so that ``distributed()`` stays light.
 """

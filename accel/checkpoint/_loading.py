@@ -1,8 +1,8 @@
-"""What both readers of ``load_state`` share: accel's own checkpoints and Accelerate's.
+"""What the loaders of ``load_state`` share: accel's own checkpoints, Accelerate's and DeepSpeed's.
 
 :class:`CheckpointInfo` is what ``load_state`` returns; :func:`load_into` puts a saved state
-into its live object. :mod:`accel.checkpoint.state` and :mod:`accel.checkpoint.accelerate_format`
-both import them from here, so neither imports the other's private names.
+into its live object. :mod:`accel.checkpoint.state`, :mod:`accel.checkpoint._from_accelerate`
+and :mod:`accel.checkpoint._from_deepspeed` import them from here.
 :func:`agree_on_copy` is the one collective after which every rank knows every rank's
 verification error and that all ranks read copies of one save.
 

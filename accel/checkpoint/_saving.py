@@ -28,11 +28,11 @@ from torch import nn
 from accel._files import nodes as _nodes
 from accel._files.atomic import remove_dir, replace_dir
 from accel._files.format import FileRecord, write_bytes
+from accel._files.objects import plan_object
 from accel._files.writer import PlannedFile
 from accel.checkpoint import _place
 from accel.checkpoint._agreement import Call, settle
 from accel.checkpoint.layout import FORMAT, MANIFEST
-from accel.checkpoint.objects import plan_object
 from accel.checkpoint.sharded.pieces import plan_sharded
 from accel.checkpoint.sharded.stages import plan_staged
 from accel.comm.collectives import gather_object

@@ -2,7 +2,7 @@
 
 Python's ``random``, numpy's global generator (when numpy is installed), torch's CPU generator
 and every CUDA device's generator. States become a JSON structure plus tensors (see
-:mod:`accel.checkpoint.encode`).
+:mod:`accel._files.encode`).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from torch import nn
 
 from accel._files import nodes as _nodes
 from accel._files.format import FileRecord
+from accel._files.objects import read_object
 from accel._files.paths import as_path
 from accel._files.values import check_counter, check_gradients, check_rng, check_values
 from accel._files.writer import PlannedFile, write_files
@@ -52,7 +53,6 @@ from accel.checkpoint.layout import (
     latest_checkpoint,
     read_manifest,
 )
-from accel.checkpoint.objects import read_object
 from accel.checkpoint.rng import get_rng_state, set_rng_state
 from accel.checkpoint.sharded.pieces import check_layout
 from accel.checkpoint.sharded.reshard import resolve
@@ -62,6 +62,7 @@ from accel.core.scope import scope
 from accel.core.settings import cpu_count, did_you_mean
 from accel.core.state import has_active_state, state
 from accel.errors import AccelError, CheckpointArgumentError, CheckpointError
+from accel.parallel.engines.registry import engine_for
 from accel.training.accumulation import set_accumulation_step
 
 __all__ = ["latest_checkpoint", "load_state", "save_state"]
@@ -249,10 +250,8 @@ def save_state(
 
     def plan() -> list[PlannedFile]:
         saved = objects
-        if st.strategy == "deepspeed" and own is None:  # the engine's state by parameter name
-            from accel.parallel.deepspeed.checkpoint import plain_objects
-
-            saved = plain_objects(objects, gather=True)  # collectives: every rank, in order
+        if own is None:  # the engine's state as one plain process's (collectives: every rank)
+            saved = engine_for(st.strategy).checkpoint_objects(objects, gather=True)
         return _saving.plan_rank_files(job.tmp, saved, st.rank, job.writer, get_rng_state())
 
     if async_save:
@@ -411,20 +410,19 @@ def load_state(
     begin("load_state")
     finish_pending()  # an asynchronous save completes (or fails) before anything is read
     names, explicit = _agreed_candidates(directory, objects, missing_ok, on_each_node)
-    if state().strategy == "deepspeed":  # stand-ins that write into the engine when loaded
-        from accel.parallel.deepspeed.checkpoint import plain_objects
-
-        objects = plain_objects(objects, gather=False)
+    # the engine's stand-ins (DeepSpeed's write into its engine when loaded)
+    objects = engine_for(state().strategy).checkpoint_objects(objects, gather=False)
     if not names:  # perhaps written by DeepSpeed's engine.save_checkpoint
-        from accel.checkpoint.deepspeed_format import load_deepspeed_state
+        from accel.checkpoint._from_deepspeed import load_deepspeed_state
 
         from_deepspeed = load_deepspeed_state(Path(directory), names, objects)  # every rank
         if from_deepspeed is not None:
             return from_deepspeed
     if not names or not explicit:  # perhaps written by HuggingFace Accelerate's save_state
-        from accel.checkpoint import accelerate_format as hf
+        from accel.checkpoint._from_accelerate import load_accelerate_state
+        from accel.checkpoint.foreign.accelerate import describe_found
 
-        loaded = hf.load_accelerate_state(Path(directory), names, objects)  # every rank
+        loaded = load_accelerate_state(Path(directory), names, objects)  # every rank
         if loaded is not None:
             return loaded
     where = os.fspath(directory)
@@ -432,7 +430,7 @@ def load_state(
         if missing_ok:
             return None
         raise CheckpointError(
-            f"No complete checkpoint at {where!r}{hf.describe_found(Path(directory))}. "
+            f"No complete checkpoint at {where!r}{describe_found(Path(directory))}. "
             "Check the path, or pass "
             "`missing_ok=True` to start from scratch when there is none."
         )

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from accel._files.format import _NAMES, map_safetensors
+from accel._files.format import NAMED_DTYPES, map_safetensors
 from accel._files.safe_io import MAX_JSON_BYTES, load_json, open_regular
 from accel.checkpoint.layout import MANIFEST, candidates, read_manifest
 from accel.cli.checkpoint_source import resolve_checkpoint
@@ -111,7 +111,8 @@ def _header(path: Path) -> list[dict[str, Any]]:
     found = map_safetensors(path, follow_links=False)
     found.mapped.close()
     return [{"name": k, "shape": list(v["shape"]),
-             "dtype": str(_NAMES[v["dtype"]]).removeprefix("torch.")} for k, v in found.entries]
+             "dtype": str(NAMED_DTYPES[v["dtype"]]).removeprefix("torch.")}
+            for k, v in found.entries]
 
 
 def _pieces(bodies: Mapping[str, Any], name: str) -> dict[str, list[tuple[Any, Any]]]:
@@ -410,12 +411,12 @@ def inspect_checkpoint(
 
 
 def _kind_of(path: Path) -> str:
-    from accel.checkpoint.accelerate_format import _is_accelerate
-    from accel.checkpoint.deepspeed_files import is_deepspeed
+    from accel.checkpoint.foreign.accelerate import is_accelerate
+    from accel.checkpoint.foreign.deepspeed_files import is_deepspeed
 
     if (path / MANIFEST).exists():
         return "accel"
-    return "deepspeed" if is_deepspeed(path) else "accelerate" if _is_accelerate(path) else "accel"
+    return "deepspeed" if is_deepspeed(path) else "accelerate" if is_accelerate(path) else "accel"
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:

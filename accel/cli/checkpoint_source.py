@@ -2,11 +2,11 @@
 
 :func:`resolve_checkpoint` finds the checkpoint at a path (itself, or the newest complete
 ``checkpoint_N`` of a root; accel's own, one written by Accelerate's ``save_state``, or a
-DeepSpeed ``save_checkpoint`` directory, read by :mod:`accel.checkpoint.deepspeed_params`).
+DeepSpeed ``save_checkpoint`` directory, read by :mod:`accel.checkpoint.foreign.deepspeed_params`).
 :func:`open_model` gives one model of it as a :class:`ModelTensors`: every tensor's name,
 shape and dtype, from the headers and metadata alone, and ``read(name)`` giving the full
 tensor. For an FSDP-sharded accel checkpoint each tensor is assembled from every saved rank's
-pieces (:class:`accel.checkpoint.sharded.reshard._Pieces`); otherwise it is a view of the
+pieces (:class:`accel.checkpoint.sharded.reshard.Pieces`); otherwise it is a view of the
 mapped file.
 Every accel file is checked against the manifest (size, CRC32) before use; Accelerate's files
 carry no checksums (their headers and zip structure are checked).
@@ -24,8 +24,8 @@ import attrs
 import torch
 
 from accel._files.format import read_safetensors
+from accel._files.objects import Entry, read_structure
 from accel.checkpoint.layout import MANIFEST, candidates, is_complete, read_manifest
-from accel.checkpoint.objects import Entry, read_structure
 from accel.errors import CheckpointError
 
 __all__ = ["Entry", "ModelTensors", "open_model", "resolve_checkpoint"]
@@ -47,7 +47,7 @@ class ModelTensors:
 
 
 def _not_a_checkpoint(path: Path) -> CheckpointError:
-    from accel.checkpoint.accelerate_format import describe_found
+    from accel.checkpoint.foreign.accelerate import describe_found
 
     return CheckpointError(
         f"{os.fspath(path)!r} is not a checkpoint{describe_found(path)}. Give a directory "
@@ -66,14 +66,14 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str]:
     Raises:
         CheckpointError: nothing there is a checkpoint (the message says what it holds).
     """
-    from accel.checkpoint.accelerate_format import _is_accelerate
-    from accel.checkpoint.deepspeed_files import is_deepspeed
+    from accel.checkpoint.foreign.accelerate import is_accelerate
+    from accel.checkpoint.foreign.deepspeed_files import is_deepspeed
 
     if os.path.lexists(path / MANIFEST):
         return path, "accel"
     if is_deepspeed(path):  # also Accelerate's save_state under DeepSpeed (tag pytorch_model)
         return path, "deepspeed"
-    if _is_accelerate(path):
+    if is_accelerate(path):
         return path, "accelerate"
     found, itself = candidates(path)
     if itself:  # save files without a manifest: a save that never completed
@@ -87,7 +87,7 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str]:
     for candidate in found:
         if is_deepspeed(candidate):
             return candidate, "deepspeed"
-        if _is_accelerate(candidate):
+        if is_accelerate(candidate):
             return candidate, "accelerate"
     raise _not_a_checkpoint(path)
 
@@ -164,7 +164,7 @@ def _pick(path: Path, objects: list[str], bodies: Mapping[str, Mapping[str, Any]
 
 def _accel_source(path: Path, wanted: str | None) -> ModelTensors:
     from accel.checkpoint.sharded.pieces import SHARD_REF
-    from accel.checkpoint.sharded.reshard import _Pieces
+    from accel.checkpoint.sharded.reshard import Pieces
 
     manifest = read_manifest(path)
     files = {f["name"]: f for f in manifest["files"]}
@@ -178,7 +178,7 @@ def _accel_source(path: Path, wanted: str | None) -> ModelTensors:
         )
     name = _pick(path, objects, bodies, wanted)
     body = bodies[name]
-    from accel.checkpoint.encode import decode
+    from accel._files.encode import decode
 
     refs = _Refs()
     state = decode(body["state"], refs)  # markers stand for the tensors, read later
@@ -205,7 +205,7 @@ def _accel_source(path: Path, wanted: str | None) -> ModelTensors:
         check_recorded(os.fspath(tensor_path), full, body.get("dtypes"))  # no relabelled header
         headers = {k: (tuple(t.shape), t.dtype) for k, t in full.items()}
     sharded = extra.get("sharded") if isinstance(extra, Mapping) else None
-    pieces = _Pieces(path, name, files, sharded) if sharded is not None else None
+    pieces = Pieces(path, name, files, sharded) if sharded is not None else None
     entries: list[Entry] = []
     where: dict[str, Callable[[], torch.Tensor]] = {}
     skipped: list[str] = []
@@ -282,7 +282,7 @@ def open_model(path: Path, kind: str, wanted: str | None) -> ModelTensors:
         OSError: a file cannot be read.
     """
     if kind == "deepspeed":
-        from accel.checkpoint.deepspeed_params import open_deepspeed
+        from accel.checkpoint.foreign.deepspeed_params import open_deepspeed
 
         found = open_deepspeed(path, wanted)
         return ModelTensors(found.tag, "deepspeed", found.tag.name, found.entries, found.read,

@@ -1,8 +1,8 @@
 """``accel checkpoint inspect`` of DeepSpeed's own checkpoint directories (``save_checkpoint``).
 
-The directory is read by :mod:`accel.checkpoint.deepspeed_params` (which ``accel
+The directory is read by :mod:`accel.checkpoint.foreign.deepspeed_params` (which ``accel
 merge-weights`` and ``accel.load_state`` use too), running no pickle: see
-:mod:`accel.checkpoint.deepspeed_files`.
+:mod:`accel.checkpoint.foreign.deepspeed_files`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from accel._files.torch_zip import opened_torch_file
-from accel.checkpoint.deepspeed_files import tag_dir
-from accel.checkpoint.deepspeed_params import read_tag
+from accel.checkpoint.foreign.deepspeed_files import tag_dir
+from accel.checkpoint.foreign.deepspeed_params import read_tag
 from accel.errors import CheckpointError
 
 __all__ = ["describe_deepspeed"]

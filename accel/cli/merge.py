@@ -3,7 +3,7 @@
 The input is a ``save_state`` checkpoint (FSDP-sharded at any world size, DDP, one process),
 the root of numbered ones (its newest complete checkpoint is used), a directory written by
 Accelerate's ``save_state``, or one written by DeepSpeed's ``engine.save_checkpoint`` (its fp32
-master weights, read by :mod:`accel.checkpoint.deepspeed_params` without running any pickle code).
+master weights, read by :mod:`accel.checkpoint.foreign.deepspeed_params`, running no pickle).
 The output is what :func:`accel.save_model` writes and ``from_pretrained`` reads:
 ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` shards plus
 ``model.safetensors.index.json``.
@@ -33,15 +33,16 @@ import torch
 
 from accel._files.atomic import temp_sibling
 from accel._files.format import (
-    _host,
-    _view,
+    byte_view,
     fsync_dir,
     map_safetensors,
+    on_host,
     safetensors_prefix,
     write_bytes,
 )
 from accel._files.safe_io import MAX_JSON_BYTES, load_json, open_write, read_bounded
 from accel.cli.checkpoint_source import Entry, ModelTensors, open_model, resolve_checkpoint
+from accel.core.sizes import parse_shard_size
 from accel.errors import CheckpointError
 
 __all__ = ["MergeResult", "merge_weights"]
@@ -63,18 +64,6 @@ class MergeResult:
     total_bytes: int
     verified: bool
     skipped: tuple[str, ...]
-
-
-def _parse_size(value: int | str) -> int:
-    from accel.core.sizes import parse_size
-
-    size = parse_size(value)
-    if size is None or size <= 0:
-        raise CheckpointError(
-            f"max_shard_size={value!r} is not a size; give bytes or a string such as '5GB', "
-            "'500MB' or '2GiB'."
-        )
-    return size
 
 
 def _cast_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -126,8 +115,8 @@ def _write_shard(file: Path, shard: list[Entry], source: ModelTensors) -> int:
                     f"{entry.name!r} has shape {tuple(tensor.shape)}, its header says "
                     f"{entry.shape}."
                 )
-            host = _host(tensor.to(entry.dtype))
-            f.write(_view(host))
+            host = on_host(tensor.to(entry.dtype))
+            f.write(byte_view(host))
             del tensor, host
         f.flush()
         os.fsync(f.fileno())
@@ -200,7 +189,7 @@ def merge_weights(
         >>> merge_weights("ckpt/checkpoint_500", "export", max_shard_size="2GB", dtype="bf16")
         MergeResult(source=PosixPath('ckpt/checkpoint_500'), kind='accel', ...)
     """
-    limit = _parse_size(max_shard_size)
+    limit = parse_shard_size(max_shard_size, example="5GB")
     cast = _cast_dtype(dtype)
     source_path, kind = resolve_checkpoint(Path(checkpoint))
     target = Path(out).expanduser()

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from accel.core.settings import ENGINE_FACTS, EngineFacts
 from accel.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -119,21 +120,20 @@ def mesh_shape(
     pp, replicate, shard, cp, tp = (checked["pp_size"], checked["dp_replicate_size"],
                                     checked["dp_shard_size"], checked["cp_size"],
                                     checked["tp_size"])
-    if shard is not None and shard > 1 and strategy not in (None, "fsdp"):
+    facts = ENGINE_FACTS.get(strategy, EngineFacts()) if strategy is not None else None
+    if shard is not None and shard > 1 and facts is not None and not facts.shards_parameters:
         raise ConfigError(
             f"dp_shard_size={shard} shards parameters with FSDP, but strategy={strategy!r}. "
             "Use `strategy='fsdp'` (or leave it unset), or set dp_replicate_size instead."
         )
-    if strategy == "deepspeed":
+    if facts is not None and facts.mesh_refusal is not None:
         split = {key: value for key, value in (("pp_size", pp), ("cp_size", cp), ("tp_size", tp))
                  if value is not None and value > 1}
         if split:
             spelled = ", ".join(f"{key}={value}" for key, value in split.items())
             raise ConfigError(
-                f"{spelled} with strategy='deepspeed': DeepSpeed's ZeRO partitions over every "
-                "process and accel does not compose it with pipeline, context or tensor "
-                "parallelism. Leave those sizes unset for DeepSpeed, or use strategy='fsdp' "
-                "with the mesh sizes."
+                f"{spelled} with strategy={strategy!r}: {facts.mesh_refusal}. Leave those sizes "
+                "unset for this strategy, or use strategy='fsdp' with the mesh sizes."
             )
     known = [v for v in (pp, replicate, shard, cp, tp) if v is not None]
     product = 1
@@ -147,7 +147,7 @@ def mesh_shape(
             f"product divides {world_size}, e.g. `accel.distributed(tp_size={divisor})` with "
             "the data-parallel size left unset to take what remains."
         )
-    fsdp = strategy == "fsdp" or (shard is not None and shard > 1)
+    fsdp = (facts is not None and facts.shards_parameters) or (shard is not None and shard > 1)
     tp = 1 if tp is None else tp
     pp = 1 if pp is None else pp
     cp = 1 if cp is None else cp

@@ -10,18 +10,19 @@ them from ``accel.state().options``.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
 
 from accel.core.settings import (
+    CODE_VALUES,
     DDP_HOOK_KEYS,
     DDP_KEYWORDS,
-    FP8_RECIPES,
     FSDP_KEYS,
     MODEL_KEYS,
     PRECISION_CODE_KEYS,
+    SETTINGS,
     did_you_mean,
 )
 from accel.errors import ConfigError
@@ -30,10 +31,10 @@ __all__ = [
     "BLOCK_EXAMPLES",
     "BlockChoice",
     "BlockSpec",
+    "block_specs",
     "blocks_option",
     "check_options",
-    "fp8_filter_option",
-    "fp8_recipe_option",
+    "code_option",
 ]
 
 BlockSpec = type[nn.Module] | str
@@ -71,9 +72,60 @@ def blocks_option(value: object, key: str, origin: str) -> BlockChoice:
         return False
     if value is True:
         return True
+    return block_specs(
+        value,
+        comma_separated=True,
+        identifiers=True,
+        invalid=lambda item: (
+            f"{origin}: {key}={value!r} is invalid: {item!r} is neither an nn.Module subclass "
+            "nor a class name. Pass True (the model's blocks, as FSDP shards them), a block "
+            f"class, its name, or a list of them, e.g. `accel.prepare_model(model, "
+            f"{BLOCK_EXAMPLES[key]})`."
+        ),
+        empty=(
+            f"{origin}: {key}={value!r} names no block. Pass True for the model's blocks or "
+            f"name their class, e.g. `accel.prepare_model(model, {BLOCK_EXAMPLES[key]})`."
+        ),
+    )
+
+
+def block_specs(
+    value: object,
+    *,
+    comma_separated: bool,
+    identifiers: bool,
+    invalid: Callable[[object], str],
+    empty: str,
+) -> tuple[BlockSpec, ...]:
+    """Check a choice of blocks: one ``nn.Module`` subclass or class name, or an iterable of them.
+
+    The one parser of block choices, for :func:`blocks_option` (activation checkpointing,
+    regional compilation) and FSDP's ``shard_modules``; their rules differ only where the
+    keywords say.
+
+    Args:
+        value: A class, a name, or an iterable of classes and names.
+        comma_separated: A string holds several names separated by commas (the config file's
+            and ``ACCEL_*`` variables' form), each stripped; else a string is one name.
+        identifiers: A name must be a Python identifier; else any non-empty string.
+        invalid: The message of the error for an item that is neither, given the item.
+        empty: The message of the error when ``value`` holds no item.
+
+    Returns:
+        The classes and names, in order.
+
+    Raises:
+        ConfigError: an item that is neither an ``nn.Module`` subclass nor a name (checked
+            first), or no item at all.
+
+    Example:
+        >>> block_specs("GPT2Block, MLP", comma_separated=True, identifiers=True,
+        ...             invalid=lambda item: f"bad {item!r}", empty="none")
+        ('GPT2Block', 'MLP')
+    """
     items: list[object]
     if isinstance(value, str):
-        items = [name.strip() for name in value.split(",")]
+        items = [name.strip() for name in value.split(",")] if comma_separated else [value]
     elif isinstance(value, type):
         items = [value]
     elif isinstance(value, Iterable):
@@ -81,88 +133,69 @@ def blocks_option(value: object, key: str, origin: str) -> BlockChoice:
     else:
         items = [value]
     for item in items:
-        if isinstance(item, str) and item.isidentifier():
+        if isinstance(item, str) and (item.isidentifier() if identifiers else item != ""):
             continue
         if isinstance(item, type) and issubclass(item, nn.Module):
             continue
-        raise ConfigError(
-            f"{origin}: {key}={value!r} is invalid: {item!r} is neither an nn.Module subclass "
-            "nor a class name. Pass True (the model's blocks, as FSDP shards them), a block "
-            f"class, its name, or a list of them, e.g. `accel.prepare_model(model, "
-            f"{BLOCK_EXAMPLES[key]})`."
-        )
+        raise ConfigError(invalid(item))
     if not items:
-        raise ConfigError(
-            f"{origin}: {key}={value!r} names no block. Pass True for the model's blocks or "
-            f"name their class, e.g. `accel.prepare_model(model, {BLOCK_EXAMPLES[key]})`."
-        )
+        raise ConfigError(empty)
     return tuple(items)  # type: ignore[arg-type]
 
 
-def _is_float8_config(value: object) -> bool:
-    """Whether ``value`` is a torchao ``Float8LinearConfig`` (torchao is not imported: a user
-    who made one has loaded it)."""
-    config = sys.modules.get("torchao.float8.config")
-    kind = getattr(config, "Float8LinearConfig", None)
+def _is_instance(value: object, type_path: str) -> bool:
+    """Whether ``value`` is an instance of the class at ``type_path`` (``"module:Class"``); the
+    module is not imported: a user who made one has loaded it."""
+    module, _, name = type_path.partition(":")
+    kind = getattr(sys.modules.get(module), name, None)
     return isinstance(kind, type) and isinstance(value, kind)
 
 
-def fp8_recipe_option(value: object, origin: str) -> object:
-    """Check an ``fp8_recipe`` value: a recipe name (any case) or a torchao config.
+def code_option(key: str, value: object, origin: str) -> Any:
+    """Check a value code gave for ``key``, as its :class:`~accel.core.settings.CodeValue` says.
 
     Args:
-        value: ``None`` (the default, ``"tensorwise"``), ``"tensorwise"``, ``"rowwise"`` or a
-            ``torchao.float8.Float8LinearConfig``.
+        key: a key of :data:`~accel.core.settings.CODE_VALUES` (e.g. ``"fp8_recipe"``,
+            ``"fp8_module_filter"``).
+        value: the value given; ``None`` is its default.
         origin: where it came from, for the message.
 
     Returns:
-        The recipe name in lower case, or the config object itself.
+        Kind ``"instance"``: the choice in lower case (``None``: the setting's default) or the
+        instance itself; kind ``"callable"``: ``None`` or the callable.
 
     Raises:
-        ConfigError: any other value; the message names the choices.
+        ConfigError: any other value; the message names the choices and what to pass.
 
     Example:
-        >>> fp8_recipe_option("RowWise", "accel.distributed()")
+        >>> code_option("fp8_recipe", "RowWise", "accel.distributed()")
         'rowwise'
     """
+    code = CODE_VALUES[key]
+    if code.kind == "callable":
+        if value is None or callable(value):
+            return value
+        raise ConfigError(
+            f"{origin}: {key}={value!r} is not {code.noun}; pass {code.hint}, "
+            f"e.g. `{code.example}`."
+        )
+    spec = SETTINGS[key]
     if value is None:
-        return FP8_RECIPES[0]
-    if isinstance(value, str) and value.strip().lower() in FP8_RECIPES:
+        return spec.default
+    if isinstance(value, str) and value.strip().lower() in spec.choices:
         return value.strip().lower()
-    if _is_float8_config(value):
+    if _is_instance(value, code.type_path):
         return value
     raise ConfigError(
-        f"{origin}: fp8_recipe={value!r} is not a recipe; choose one of {list(FP8_RECIPES)} or "
-        "pass a `torchao.float8.Float8LinearConfig`, e.g. "
-        "`accel.distributed(mixed_precision='fp8', fp8_recipe='rowwise')`."
-    )
-
-
-def fp8_filter_option(value: object, origin: str) -> Any:
-    """Check an ``fp8_module_filter`` value: ``None`` (accel's rule) or a callable
-    ``filter(module, name) -> bool`` (``True``: convert that ``nn.Linear`` to float8).
-
-    Raises:
-        ConfigError: anything else.
-
-    Example:
-        >>> fp8_filter_option(None, "accel.distributed()") is None
-        True
-    """
-    if value is None or callable(value):
-        return value
-    raise ConfigError(
-        f"{origin}: fp8_module_filter={value!r} is not callable; pass a function "
-        "`filter(module, name) -> bool` that returns True for the nn.Linear layers to run in "
-        "fp8, e.g. `accel.distributed(mixed_precision='fp8', "
-        "fp8_module_filter=lambda module, name: 'head' not in name)`."
+        f"{origin}: {key}={value!r} is not {code.noun}; choose one of {list(spec.choices)} or "
+        f"pass {code.hint}, e.g. `{code.example}`."
     )
 
 
 def check_options(options: Mapping[str, Any], named: Sequence[str]) -> None:
     """Refuse ``distributed()`` keywords that are neither ``named`` nor DDP, FSDP or model options
-    (a typo never runs silently); check ``activation_checkpointing`` and the fp8 options'
-    values at once.
+    (a typo never runs silently); check ``activation_checkpointing`` and the values of the
+    options in :data:`~accel.core.settings.CODE_VALUES` (the precision modes') at once.
 
     Raises:
         ConfigError: naming the keyword, the closest known one and every known option.
@@ -181,7 +214,6 @@ def check_options(options: Mapping[str, Any], named: Sequence[str]) -> None:
     if "activation_checkpointing" in options:  # a bad value fails here, not at prepare time
         value = options["activation_checkpointing"]
         blocks_option(value, "activation_checkpointing", "accel.distributed()")
-    if "fp8_recipe" in options:
-        fp8_recipe_option(options["fp8_recipe"], "accel.distributed()")
-    if "fp8_module_filter" in options:
-        fp8_filter_option(options["fp8_module_filter"], "accel.distributed()")
+    for key in CODE_VALUES:  # what code may give beyond a file's values (fp8's recipe, filter)
+        if key in options:
+            code_option(key, options[key], "accel.distributed()")

@@ -24,9 +24,12 @@ from accel.core.settings import (
     CP_METHODS,
     DDP_CONFIG_KEYS,
     DEFAULT_PORT,
+    ENGINE_FACTS,
     MODEL_KEYS,
     POLICY_KEYS,
+    SHARDING_ENGINE,
     CpMethod,
+    EngineFacts,
     env_variable,
     validate_setting,
 )
@@ -296,18 +299,19 @@ def _start(
         device_type=device.type,
     )
     if shape is not None and shape.dp_shard > 1 and changes["strategy"] is None:
-        changes = {**changes, "strategy": "fsdp"}
+        changes = {**changes, "strategy": SHARDING_ENGINE}
     method = _cp_method(env.cp_method, device) if shape is not None and shape.cp > 1 else None
     strategy = changes["strategy"] if changes["strategy"] is not None else env.strategy
-    if str(strategy).lower() == "deepspeed":  # the DeepSpeed config speaks where nothing else did
+    facts = ENGINE_FACTS.get(str(strategy).lower())
+    if facts is not None and facts.policy_option is not None:
+        # the engine's own config speaks where nothing else did (DeepSpeed's JSON)
         given = {"mixed_precision": env.mixed_precision,
                  "gradient_accumulation_steps": env.gradient_accumulation_steps}
-        said = deepspeed_policy(options.get("deepspeed_config"))
+        said = deepspeed_policy(options.get(facts.policy_option))
         changes = {**changes, **{key: value for key, value in said.items()
                                  if changes[key] is None and given[key] is None}}
     policy = resolve_policy(env, world_size=world, **changes)
-    if policy["strategy"] == "deepspeed":
-        _require_deepspeed()
+    _require_package(policy["strategy"], ENGINE_FACTS[policy["strategy"]])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     created = False
@@ -336,14 +340,14 @@ def _start(
     return current, created
 
 
-def _require_deepspeed() -> None:
-    """Refuse ``strategy="deepspeed"`` at once when DeepSpeed is not installed (nothing is
-    imported here: ``accel.parallel.deepspeed`` imports it when the model is prepared)."""
-    if importlib.util.find_spec("deepspeed") is None:
+def _require_package(strategy: str, facts: EngineFacts) -> None:
+    """Refuse an engine at once when the package it needs is not installed (nothing is
+    imported here: the engine's unit imports it when the model is prepared)."""
+    if facts.package is not None and importlib.util.find_spec(facts.package) is None:
         raise ConfigError(
-            "strategy='deepspeed' needs DeepSpeed, which is not installed. Install the extra: "
-            "`pip install 'accel[deepspeed]'` (DeepSpeed 0.19.8), or choose another strategy, "
-            "e.g. `accel.distributed(strategy='fsdp')`."
+            f"strategy={strategy!r} needs {facts.package}, which is not installed. Install the "
+            f"extra: `pip install 'accel[{facts.extra or facts.package}]'`, or choose another "
+            "strategy, e.g. `accel.distributed(strategy='fsdp')`."
         )
 
 

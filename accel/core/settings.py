@@ -20,6 +20,8 @@ from accel.errors import ConfigError, ConfigTypeError
 
 __all__ = [
     "BACKENDS",
+    "CODE_VALUES",
+    "CodeValue",
     "CpMethod",
     "COMM_HOOKS",
     "COMM_WRAPPERS",
@@ -32,15 +34,20 @@ __all__ = [
     "DEFAULT_CPU_PROCESSES",
     "DEFAULT_PORT",
     "DEFAULT_TIMEOUT_S",
+    "ENGINE_FACTS",
+    "SHARDING_ENGINE",
     "ENV_PREFIX",
     "FALSE_WORDS",
     "FP8_RECIPES",
     "MIXED_PRECISION_MODES",
+    "EngineFacts",
     "MODEL_KEYS",
     "OFFLOAD_DEVICES",
     "POLICY_KEYS",
     "POWER_SGD_OPTIONS",
     "PRECISION_CODE_KEYS",
+    "PRECISION_CODE_OPTIONS",
+    "PRECISION_KEYS",
     "SETTINGS",
     "STRATEGIES",
     "TRUE_WORDS",
@@ -50,6 +57,7 @@ __all__ = [
     "allowed",
     "check_power_sgd_options",
     "cpu_count",
+    "declare_engine",
     "did_you_mean",
     "env_variable",
     "parse_bool",
@@ -64,15 +72,67 @@ CP_METHODS: tuple[str, ...] = get_args(CpMethod)
 """How attention is split under context parallelism: heads all-to-all, or torch's ring."""
 MIXED_PRECISION_MODES: tuple[str, ...] = get_args(MixedPrecision)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
+"""The built-in engines (``strategy=``); :data:`ENGINE_FACTS` also holds registered ones."""
+
+
+@attrs.frozen
+class EngineFacts:
+    """What the layers below the engines must know of an engine before it runs.
+
+    ``distributed()`` (in ``accel.core``) shapes the mesh and resolves the policy before any
+    engine unit is imported, so each engine declares these facts here; everything else an
+    engine does lives in its unit (``accel.parallel.engines``).
+
+    Example:
+        >>> ENGINE_FACTS["fsdp"].shards_parameters
+        True
+    """
+
+    shards_parameters: bool = False
+    """Its data-parallel dim shards parameters (``dp_shard_size`` > 1 is its own)."""
+    mesh_refusal: str | None = None
+    """Why it does not run under pipeline, context or tensor-parallel dims (``None``: it
+    does)."""
+    package: str | None = None
+    """The distribution it needs installed, checked at ``distributed()`` (``None``: torch)."""
+    extra: str | None = None
+    """accel's extra that installs :attr:`package`, for the message."""
+    policy_option: str | None = None
+    """The ``distributed()`` keyword whose engine config may set ``mixed_precision`` and
+    ``gradient_accumulation_steps`` where nothing else did (DeepSpeed's JSON)."""
+
+
+ENGINE_FACTS: dict[str, EngineFacts] = {
+    "none": EngineFacts(),
+    "ddp": EngineFacts(),
+    "fsdp": EngineFacts(shards_parameters=True),
+    "deepspeed": EngineFacts(
+        mesh_refusal="DeepSpeed's ZeRO partitions over every process and accel does not "
+        "compose it with pipeline, context or tensor parallelism",
+        package="deepspeed", extra="deepspeed", policy_option="deepspeed_config",
+    ),
+}
+"""Each ``strategy`` name and its facts; ``accel.parallel.engines.register_engine`` adds an
+engine's (through :func:`declare_engine`)."""
+
+
+SHARDING_ENGINE = "fsdp"
+"""The engine a block gets when only its mesh shards parameters (``dp_shard_size`` > 1)."""
+
+
+def declare_engine(name: str, facts: EngineFacts) -> None:
+    """Make ``name`` a ``strategy`` choice with ``facts`` (called by ``register_engine``).
+
+    Example:
+        >>> declare_engine("toy", EngineFacts())
+    """
+    ENGINE_FACTS[name] = facts
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
 """The ``torch.distributed`` backends ``backend=`` accepts."""
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 """The torchao float8 recipes ``fp8_recipe`` names (a torchao ``Float8LinearConfig`` object is
 accepted from code too); ``accel.precision.fp8`` turns them into torchao configs."""
-PRECISION_CODE_KEYS = ("fp8_module_filter",)
-"""Options of the precision units that only code can give (a callable): ``distributed()``
-keywords, read from ``accel.state().options``."""
 
 DEFAULT_PORT = 29500
 """The rendezvous port when none is given and none can be chosen or derived."""
@@ -218,6 +278,34 @@ def check_power_sgd_options(value: object, origin: str) -> dict[str, Any]:
 
 Kind = Literal["int", "float", "bool", "str", "choice", "table", "blocks"]
 Layer = Literal["launch", "policy", "ddp", "model"]
+CodeKind = Literal["instance", "callable"]
+
+
+@attrs.frozen
+class CodeValue:
+    """What code may give ``distributed()`` for an option beyond what a file or a variable holds.
+
+    ``accel.core.options.code_option`` checks it at block entry, importing nothing: kind
+    ``"instance"`` (of a setting with choices) is one of the setting's choices in any case
+    (``None``: its default) or an instance of the class at :attr:`type_path`, found in
+    ``sys.modules`` (a user who made one has imported it); kind ``"callable"`` is ``None`` or
+    a callable. The message reads ``"{origin}: {key}={value!r} is not {noun}; [choose one of
+    the choices or] pass {hint}, e.g. `{example}`."``.
+
+    Example:
+        >>> SETTINGS["fp8_recipe"].code.type_path
+        'torchao.float8.config:Float8LinearConfig'
+    """
+
+    kind: CodeKind
+    noun: str
+    """What the value is not, for the message (``"a recipe"``, ``"callable"``)."""
+    hint: str
+    """What to pass instead, for the message."""
+    example: str
+    """A ``distributed()`` call with a good value, for the message."""
+    type_path: str = ""
+    """``"module:Class"``, the class of kind ``"instance"``."""
 
 
 @attrs.frozen
@@ -228,6 +316,8 @@ class Spec:
     (``accel.distributed()``, also as an ``ACCEL_*`` variable), ``"ddp"`` (a DDP option) or
     ``"model"`` (a ``prepare_model`` or engine option run-wide: ``accel.state().options``,
     also as an ``ACCEL_*`` variable). Kind ``"blocks"`` is true/false or module class names.
+    ``mode`` names the mixed precision mode whose option it is (``accel launch`` offers it as
+    ``--<key>`` among the training options); ``code`` what code may also give for it.
     """
 
     kind: Kind
@@ -237,6 +327,8 @@ class Spec:
     minimum: float | None = None
     maximum: float | None = None
     layer: Layer = "launch"
+    mode: MixedPrecision | None = None
+    code: CodeValue | None = None
 
 
 SETTINGS: Mapping[str, Spec] = {
@@ -329,9 +421,14 @@ SETTINGS: Mapping[str, Spec] = {
         "blocks", "recompute each block's activations in the backward (true, or block class "
         "names)", False, layer="model",
     ),
-    "fp8_recipe": Spec(
+    "fp8_recipe": Spec(  # a precision mode's option: mode= (and code= what code may give)
         "choice", "torchao float8 recipe under mixed_precision='fp8'", "tensorwise",
-        choices=FP8_RECIPES, layer="model",
+        choices=FP8_RECIPES, layer="model", mode="fp8",
+        code=CodeValue(
+            "instance", "a recipe", "a `torchao.float8.Float8LinearConfig`",
+            "accel.distributed(mixed_precision='fp8', fp8_recipe='rowwise')",
+            type_path="torchao.float8.config:Float8LinearConfig",
+        ),
     ),
     # DeepSpeed (strategy="deepspeed"; read by accel.parallel.deepspeed, also as ACCEL_<KEY>)
     "deepspeed_config": Spec(
@@ -362,6 +459,25 @@ DDP_CONFIG_KEYS = tuple(key for key, spec in SETTINGS.items() if spec.layer == "
 """The DDP options a config file can hold (a callable hook or a state object cannot)."""
 MODEL_KEYS = tuple(key for key, spec in SETTINGS.items() if spec.layer == "model")
 """The ``prepare_model`` options set run-wide: argument > ``ACCEL_<KEY>`` > config file."""
+PRECISION_KEYS = tuple(key for key, spec in SETTINGS.items() if spec.mode is not None)
+"""The precision modes' settings (``accel launch --<key>``, ``ACCEL_<KEY>``, the config file)."""
+
+PRECISION_CODE_OPTIONS: Mapping[str, CodeValue] = {
+    "fp8_module_filter": CodeValue(
+        "callable", "callable", "a function `filter(module, name) -> bool` that returns True "
+        "for the nn.Linear layers to run in fp8",
+        "accel.distributed(mixed_precision='fp8', "
+        "fp8_module_filter=lambda module, name: 'head' not in name)",
+    ),
+}
+"""Options of the precision units that only code can give (a callable): ``distributed()``
+keywords, read from ``accel.state().options``."""
+PRECISION_CODE_KEYS = tuple(PRECISION_CODE_OPTIONS)
+CODE_VALUES: Mapping[str, CodeValue] = {
+    **{key: spec.code for key, spec in SETTINGS.items() if spec.code is not None},
+    **PRECISION_CODE_OPTIONS,
+}
+"""Every option whose value from code ``distributed()`` checks as its :class:`CodeValue` says."""
 
 
 def env_variable(key: str) -> str:

@@ -20,8 +20,8 @@ from accel.core.env import LaunchEnv, read_launch_env
 from accel.core.scope import Scope, enter_scope, leave_scope
 from accel.core.settings import (
     DEFAULT_TIMEOUT_S,
+    ENGINE_FACTS,
     MIXED_PRECISION_MODES,
-    STRATEGIES,
     CpMethod,
     MixedPrecision,
     Strategy,
@@ -43,7 +43,6 @@ __all__ = [
 ]
 
 _MIXED_PRECISION = MIXED_PRECISION_MODES
-_STRATEGIES = STRATEGIES
 
 
 def _frozen_mapping(value: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -304,7 +303,7 @@ def resolve_policy(
     strat = strategy if strategy is not None else env.strategy
     if strat is None:
         strat = "ddp" if world_size > 1 else "none"
-    strat = _choice("strategy", strat.lower(), _STRATEGIES, "ddp")
+    strat = _choice("strategy", strat.lower(), tuple(ENGINE_FACTS), "ddp")
     if debug is not None and not isinstance(debug, bool):
         raise ConfigError(
             f"debug={debug!r} must be True or False, e.g. `accel.distributed(debug=True)`."

@@ -13,10 +13,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-__all__ = ["describe_failure", "is_peer_loss"]
+__all__ = ["describe_failure", "exit_text", "is_peer_loss"]
 
 
-def _signal_text(code: int) -> str:
+def exit_text(code: int) -> str:
+    """How a process ended, from its exit code (negative: minus the signal that killed it).
+
+    Example:
+        >>> exit_text(1), exit_text(-9)
+        ('exit code 1', 'killed by signal SIGKILL')
+    """
+    if code >= 0:
+        return f"exit code {code}"
     try:
         return f"killed by signal {signal.Signals(-code).name}"
     except ValueError:
@@ -90,8 +98,7 @@ def describe_failure(error: ChildFailedError, what: str) -> tuple[str, int]:
     first_rank, first = _first_failure(error)
     lines = []
     for rank, failure in sorted(error.failures.items()):
-        how = (f"exit code {failure.exitcode}" if failure.exitcode >= 0
-               else _signal_text(failure.exitcode))
+        how = exit_text(failure.exitcode)
         raised = _traceback_of(failure.message)
         if raised:
             last = raised.rstrip().rsplit("\n", 1)[-1]
@@ -105,7 +112,7 @@ def describe_failure(error: ChildFailedError, what: str) -> tuple[str, int]:
                   "-" * 40]
     elif first.exitcode < 0:
         lines.append(f"Rank {first_rank} raised no Python exception: it was "
-                     f"{_signal_text(first.exitcode)} (SIGKILL often means out of memory).")
+                     f"{exit_text(first.exitcode)} (SIGKILL often means out of memory).")
     else:
         lines.append(f"Rank {first_rank} exited without a Python exception (sys.exit or "
                      "os._exit); its own output is above.")

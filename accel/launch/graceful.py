@@ -18,6 +18,8 @@ from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from accel.launch.failures import exit_text
+
 __all__ = ["FORWARDED_SIGNALS", "recording_worker_exits", "stop_outcome", "supported_stop_args"]
 
 # the signals torch's agent handles by stopping the workers with the same signal
@@ -113,14 +115,7 @@ def recording_worker_exits() -> Iterator[dict[int, int | None]]:
 
 
 def _how(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by signal {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
+    return "still running" if code is None else exit_text(code)
 
 
 def stop_outcome(sig: signal.Signals, exits: dict[int, int | None],

@@ -29,11 +29,13 @@ from accel.core.settings import (
     DEFAULT_CPU_PROCESSES,
     DEFAULT_PORT,
     ENV_PREFIX,
-    FP8_RECIPES,
     MIXED_PRECISION_MODES,
     MODEL_KEYS,
     POLICY_KEYS,
+    PRECISION_KEYS,
+    SETTINGS,
     STRATEGIES,
+    allowed,
     cpu_count,
     env_variable,
 )
@@ -110,9 +112,13 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     policy = parser.add_argument_group("training options (reach accel.distributed())")
     policy.add_argument("--mixed-precision", "--mixed_precision", metavar="MODE",
                         help=f"{', '.join(MIXED_PRECISION_MODES)} (fp8: torchao, accel[fp8])")
-    policy.add_argument("--fp8-recipe", "--fp8_recipe", metavar="R",
-                        help=f"{', '.join(FP8_RECIPES)} (mixed precision fp8; default "
-                             f"{FP8_RECIPES[0]})")
+    for key in PRECISION_KEYS:  # each precision mode's settings, as the table declares them
+        spec = SETTINGS[key]
+        values = ", ".join(spec.choices) if spec.choices else allowed(spec)
+        default = "" if spec.default is None else f"; default {spec.default}"
+        policy.add_argument(f"--{key.replace('_', '-')}", f"--{key}",
+                            metavar=key.rsplit("_", 1)[-1][0].upper(),  # fp8_recipe: R
+                            help=f"{values} (mixed precision {spec.mode}{default})")
     policy.add_argument("--gradient-accumulation-steps", "--gradient_accumulation_steps",
                         type=int, metavar="K", help="batches per optimizer step")
     policy.add_argument("--strategy", metavar="S", help=", ".join(STRATEGIES))
@@ -180,7 +186,7 @@ def command_line_settings(ns: argparse.Namespace) -> dict[str, object]:
         "main_process_port": get("master_port"),
         "max_restarts": get("max_restarts"),
         "mixed_precision": get("mixed_precision"),
-        "fp8_recipe": get("fp8_recipe"),
+        **{key: get(key) for key in PRECISION_KEYS},
         "gradient_accumulation_steps": get("gradient_accumulation_steps"),
         "strategy": strategy,
         "backend": get("backend"),

@@ -20,13 +20,23 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "user_frames"]
 
 
-def _user_frames(tb: TracebackType | None, filename: str | None) -> TracebackType | None:
+def user_frames(tb: TracebackType | None, filename: str | None) -> TracebackType | None:
     """Skip the frames of this module and runpy, up to the first frame of the user's code.
 
-    ``None`` when there is none (a SyntaxError in the script: its message names the line).
+    Args:
+        tb: The traceback of an error the user's script raised.
+        filename: The script's absolute path; ``None``: the first frame neither of this
+            module nor of runpy.
+
+    Returns:
+        The traceback from the user's first frame on; ``None`` when there is none (a
+        SyntaxError in the script: its message names the line).
+
+    Example:
+        >>> error.__traceback__ = user_frames(error.__traceback__, os.path.abspath("train.py"))
     """
     here = os.path.abspath(__file__)
     start = tb
@@ -93,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     except SystemExit:
         raise
     except BaseException as error:  # report everything, including KeyboardInterrupt
-        error.__traceback__ = _user_frames(error.__traceback__, filename)
+        error.__traceback__ = user_frames(error.__traceback__, filename)
         text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         _record(error, text)
         sys.stderr.write(text)

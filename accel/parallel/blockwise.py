@@ -23,7 +23,6 @@ the repeated blocks share one compiled graph, which compiles far faster than the
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -32,6 +31,7 @@ import attrs
 import torch
 from torch import nn
 
+from accel.core.once import first_time
 from accel.core.options import BLOCK_EXAMPLES, BlockChoice, BlockSpec, blocks_option
 from accel.core.settings import did_you_mean
 from accel.errors import ConfigError
@@ -45,7 +45,6 @@ __all__ = [
     "compile_plan",
 ]
 
-_CACHE_SAID = threading.Event()  # once per process: a cache argument was dropped
 # Arguments through which a block writes a key/value cache: a recompute would write it twice.
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache")
 
@@ -177,16 +176,15 @@ class CheckpointedForward:
 
 
 def _note_cache(block: str, dropped: list[str]) -> None:
-    if _CACHE_SAID.is_set() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not first_time((__name__, "cache dropped")):
         return
-    _CACHE_SAID.set()
     from accel.comm.gating import get_logger
 
     get_logger(__name__, main_process_only=False).warning(
         "Activation checkpointing: %s got a key/value cache (%s) while training; it runs "
         "with use_cache=False and no cache, because the backward's recompute would write the "
         "cache twice (transformers' gradient checkpointing does the same). Said once per "
-        "process.", block, ", ".join(dropped) or "use_cache=True",
+        "block.", block, ", ".join(dropped) or "use_cache=True",
     )
 
 

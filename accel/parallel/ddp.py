@@ -6,7 +6,7 @@ hook with its wrapper and state (``DDP_HOOK_KEYS``). They come from
 ``accel.distributed(**options)`` / the config file (``accel.state().options``) and from
 ``prepare_model(model, **strategy_options)``, which wins key by key. They are checked on every
 world size (a bad value is the same error on 1 and N processes) and used only where a DDP
-wrapper is made; elsewhere they are ignored, said once per process at debug level.
+wrapper is made; elsewhere they are ignored, said once per block at debug level.
 
 The option names, kinds and choices the config file can hold are defined with every other
 setting in :mod:`accel.core.settings`; this module adds what only code can pass (a callable hook,
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import threading
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from accel.core.once import first_time
 from accel.core.settings import (
     COMM_HOOKS,
     COMM_WRAPPERS,
@@ -37,7 +37,7 @@ from accel.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
-    import torch.distributed as dist
+    import torch.distributed as dist  # noqa: F401  (in _bf16_compress_hook's type comment)
     from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
@@ -66,7 +66,6 @@ _EXAMPLES = {
     "comm_state_option": "comm_state_option={'matrix_approximation_rank': 2}",
     "comm_state": "comm_hook=my_hook, comm_state=my_state",
 }
-_IGNORED_SAID = threading.Event()  # once per process: DDP options ignored (no DDP wrapper)
 
 
 def _invalid(key: str, value: object, expected: str, origin: str) -> ConfigError:
@@ -228,20 +227,19 @@ def ddp_options(run_options: Mapping[str, Any], given: Mapping[str, Any]) -> DDP
 
 
 def note_ignored(options: DDPOptions, reason: str) -> None:
-    """Say once per process, at debug level, that DDP options were set but no DDP wrapper applies.
+    """Say once per block, at debug level, that DDP options were set but no DDP wrapper applies.
 
     Example:
         >>> note_ignored(ddp_options({}, {"static_graph": True}), "world_size=1")
     """
-    if not options.given or _IGNORED_SAID.is_set():
+    if not options.given or not first_time((__name__, "options ignored")):
         return
-    _IGNORED_SAID.set()
     from accel.comm.gating import get_logger
 
     get_logger(__name__, main_process_only=False).debug(
         "DDP options %s are ignored: no DDP wrapper applies (%s). They take effect where "
         "prepare_model wraps the model in DistributedDataParallel (several processes, "
-        "strategy 'ddp', a trainable parameter, not evaluation_mode). Said once per process.",
+        "strategy 'ddp', a trainable parameter, not evaluation_mode). Said once per block.",
         list(options.given), reason,
     )
 
@@ -331,10 +329,13 @@ def _power_sgd_state(option: Mapping[str, Any]) -> object:
 
 
 # torch's bf16 hook and wrapper refuse to run without NCCL (old NCCL lacked bf16); gloo
-# all-reduces bf16, so other backends get these equivalents.
+# all-reduces bf16, so other backends get these equivalents. DDP checks a hook's annotations
+# against objects, and this module's are strings (PEP 563), so the two hooks are typed with
+# type comments: mypy reads them, and the hooks carry no annotations for DDP to refuse.
 def _bf16_compress_hook(
-    process_group: dist.ProcessGroup | None, bucket: Any
-) -> torch.futures.Future[torch.Tensor]:
+    process_group,  # type: dist.ProcessGroup | None
+    bucket,  # type: Any
+):  # type: (...) -> torch.futures.Future[torch.Tensor]
     import torch
     import torch.distributed as dist
 
@@ -351,13 +352,13 @@ def _bf16_compress_hook(
     return result
 
 
-_bf16_compress_hook.__annotations__ = {}  # DDP compares annotations as objects, not strings
-
-
 def _bf16_compress_wrapper(
     hook: Callable[[Any, Any], torch.futures.Future[torch.Tensor]],
 ) -> Callable[[Any, Any], torch.futures.Future[torch.Tensor]]:
-    def bf16_wrapped_hook(hook_state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    def bf16_wrapped_hook(
+        hook_state,  # type: Any
+        bucket,  # type: Any
+    ):  # type: (...) -> torch.futures.Future[torch.Tensor]
         import torch
 
         original: torch.Tensor = bucket.buffer()
@@ -370,5 +371,4 @@ def _bf16_compress_wrapper(
 
         return future.then(decompress)
 
-    bf16_wrapped_hook.__annotations__ = {}  # as for _bf16_compress_hook
     return bf16_wrapped_hook

@@ -18,13 +18,14 @@ Where things live:
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 from torch import nn
 
+from accel.core.once import first_time
+from accel.core.options import block_specs
 from accel.core.scope import ScopeSlot
 from accel.core.settings import FSDP_KEYS, did_you_mean
 from accel.core.state import ProcessState, state
@@ -49,7 +50,6 @@ __all__ = [
 _MESHES: ScopeSlot[dict[tuple[str, int], DeviceMesh]] = ScopeSlot(
     "accel.parallel.fsdp device meshes"
 )
-_ONE_PROCESS_SAID = threading.Event()  # once per process: FSDP on one process runs unsharded
 _EXAMPLES = {
     "shard_modules": "shard_modules=MyBlock",
     "reshard_after_forward": "reshard_after_forward=False",
@@ -76,31 +76,22 @@ class FSDPOptions:
 def _check_shard_modules(value: object, origin: str) -> tuple[ShardSpec, ...] | None:
     if value is None:
         return None
-    items: list[object]
-    if isinstance(value, str | type):
-        items = [value]
-    elif isinstance(value, Iterable):
-        items = list(value)
-    else:
-        items = [value]
-    for item in items:
-        if isinstance(item, str) and item:
-            continue
-        if isinstance(item, type) and issubclass(item, nn.Module):
-            continue
-        raise ConfigError(
+    return block_specs(
+        value,
+        comma_separated=False,
+        identifiers=False,
+        invalid=lambda item: (
             f"{origin}: FSDP option shard_modules={value!r} is invalid: {item!r} is neither an "
             "nn.Module subclass nor a class name. Pass a class, its name, or a list of them, "
             "e.g. `accel.prepare_model(model, strategy='fsdp', shard_modules=MyBlock)` or "
             "`shard_modules=['MyBlock']`."
-        )
-    if not items:
-        raise ConfigError(
+        ),
+        empty=(
             f"{origin}: FSDP option shard_modules={value!r} is empty. Name at least one block "
             "class, e.g. `shard_modules=MyBlock`, or leave it out for the default (the blocks "
             "of the model's largest nn.ModuleList/nn.Sequential)."
-        )
-    return tuple(items)  # type: ignore[arg-type]
+        ),
+    )
 
 
 def _check_bool(key: str, value: object, origin: str) -> bool:
@@ -290,15 +281,14 @@ def _note_blocks(model: nn.Module, targets: list[nn.Module], options: FSDPOption
 
 
 def _note_one_process() -> None:
-    if _ONE_PROCESS_SAID.is_set():
+    if not first_time((__name__, "one process")):
         return
-    _ONE_PROCESS_SAID.set()
     from accel.comm.gating import get_logger
 
     get_logger(__name__, main_process_only=False).info(
         "strategy='fsdp' with one process: the model is not sharded (there is nothing to shard "
         "it across) and trains as a plain module; the same script shards it when launched "
-        "with several processes. Said once per process."
+        "with several processes. Said once per block."
     )
 
 
@@ -313,7 +303,7 @@ def shard_model(
 
     On one process (or with ``evaluation_mode``) the options and ``shard_modules`` are still
     checked, but the model is only moved to the state's device: one process has nothing to
-    shard across (an info note says so, once per process). With several processes, the
+    shard across (an info note says so, once per block). With several processes, the
     mode's precision unit (``accel.precision``) first makes the master weights (under mixed
     precision trainable bf16/fp16 parameters are upcast to fp32); then every module of
     :func:`shard_targets` and finally the root get ``fully_shard`` on the mesh, with

@@ -257,10 +257,6 @@ def clip_by_total_norm(
         >>> norm = clip_by_total_norm(list(model.parameters()), 1.0, 2.0)
     """
     st = state()
-    if st.pp_world_size > 1:  # each stage holds its own parameters: sum over the stages
-        from accel.parallel.pipeline.grads import clip_over_stages
-
-        return clip_over_stages(params, max_norm, norm_type, layout_groups(params))
     groups = layout_groups(params) if st.mesh is not None else []
     if len(groups) <= 1:
         if max_norm is None:

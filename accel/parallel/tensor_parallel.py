@@ -26,13 +26,16 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from accel.core.once import first_time
 from accel.errors import ConfigError
 from accel.parallel.tp_plan import check_plan, model_plan
 
 if TYPE_CHECKING:
     pass
 
-__all__ = ["apply_tensor_parallel", "carries_plan", "note_left_whole", "split_modules"]
+__all__ = [
+    "apply_tensor_parallel", "carries_plan", "note_left_whole", "plan_to_apply", "split_modules",
+]
 
 _LOG = logging.getLogger("accel")
 
@@ -50,15 +53,12 @@ def carries_plan(model: nn.Module) -> bool:
     return True
 
 
-_SAID_WHOLE: set[str] = set()
-
-
 def note_left_whole(model: nn.Module, tp: int) -> None:
-    """Warn once per model class that a model without a plan is not split over ``tp`` ranks."""
+    """Warn once per model class (and block) that a model without a plan is not split over
+    ``tp`` ranks."""
     name = type(model).__name__
-    if name in _SAID_WHOLE:
+    if not first_time((__name__, "left whole", name)):
         return
-    _SAID_WHOLE.add(name)
     _LOG.warning(
         "accel: tp_size=%d but %s has no tp_plan: it is not split, each of the %d "
         "tensor-parallel ranks computes it whole (the same result, %dx the work). Pass "
@@ -168,3 +168,25 @@ def split_modules(
     parallelize_module(model, mesh["tp"], chosen)
     _retie(model, ties)
     _LOG.info("accel: tensor parallel over %d processes: %d modules split", tp, len(chosen))
+
+
+def plan_to_apply(model: nn.Module, tp_plan: object) -> object | None:
+    """The tensor-parallel plan to apply: ``tp_plan`` as given; without one under a ``tp`` dim
+    > 1, ``"auto"`` for a model that carries its own plan (transformers); else ``None`` (a
+    model without a plan is left whole on every TP rank, said once).
+
+    Example:
+        >>> plan_to_apply(net, None) is None   # no tp dim
+        True
+    """
+    if tp_plan is not None:
+        return tp_plan
+    from accel.core.state import state
+
+    tp = state().tp_world_size
+    if tp == 1:
+        return None
+    if not carries_plan(model):
+        note_left_whole(model, tp)
+        return None
+    return "auto"

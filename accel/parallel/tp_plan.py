@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from accel.core.once import first_time
 from accel.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -180,13 +181,10 @@ _PAIR_HINT = (
 )
 
 
-_SAID_PARTIAL: set[str] = set()
-
-
 def _applicable(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
     """The entries of a model's own plan accel can apply. Left out: patterns naming no module
     of this configuration (a model's plan covers its variants: Qwen2-MoE's dense MLPs), and,
-    said once per model class, transformers' styles for fused expert weights
+    said once per model class (and block), transformers' styles for fused expert weights
     (``packed_colwise``, ``moe_tp_experts``...) and patterns naming a parameter rather than a
     module: those weights stay whole on every tp rank, which computes the same, in their full
     memory."""
@@ -204,8 +202,7 @@ def _applicable(model: nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
         else:
             kept[pattern] = style
     name = type(model).__name__
-    if left and name not in _SAID_PARTIAL:
-        _SAID_PARTIAL.add(name)
+    if left and first_time((__name__, "plan left partly", name)):
         warnings.warn(
             f"tp_plan='auto': {name}'s own plan has entries accel cannot apply yet "
             f"({', '.join(left)}); those weights stay whole on every tp rank (the same "

@@ -6,7 +6,10 @@ tensor-parallel split or FSDP2 sharding: their matmuls (forward and both backwar
 float8 with dynamic scales, while everything else runs under bf16 autocast, as
 ``mixed_precision="bf16"`` does (:class:`~accel.precision.half.BFloat16`'s autocast, forward
 wrapper, FSDP policy and fp32 master weights). The recipe is ``fp8_recipe`` (``"tensorwise"``,
-``"rowwise"`` or a torchao ``Float8LinearConfig``) from ``accel.state().options``.
+``"rowwise"`` or a torchao ``Float8LinearConfig``) from ``accel.state().options``. Both options
+are declared in ``accel.core.settings`` (``SETTINGS["fp8_recipe"]``, its ``code=``, and
+``PRECISION_CODE_OPTIONS["fp8_module_filter"]``), which ``distributed()`` checks at block entry
+(``accel.core.options.code_option``, also used here); this module gives them their meaning.
 
 Which layers run in float8 (:func:`float8_filter`): exactly ``nn.Linear`` (not subclasses),
 not the model's root, with ``in_features`` and ``out_features`` multiples of 16 (what the
@@ -37,7 +40,7 @@ from typing import Any, ClassVar
 import attrs
 from torch import nn
 
-from accel.core.options import fp8_filter_option, fp8_recipe_option
+from accel.core.options import code_option
 from accel.core.state import state
 from accel.errors import ConfigError
 from accel.precision.half import BFloat16
@@ -88,7 +91,7 @@ def float8_config(recipe: object, *, fsdp_all_gather: bool) -> Any:
         >>> float8_config("rowwise", fsdp_all_gather=False).round_scales_to_power_of_2
         True
     """
-    chosen = fp8_recipe_option(recipe, _ORIGIN)
+    chosen = code_option("fp8_recipe", recipe, _ORIGIN)
     float8 = torchao_float8()
     if not isinstance(chosen, str):
         given: Any = chosen
@@ -231,7 +234,8 @@ class Float8(BFloat16):
             >>> Float8().convert_modules(model, fsdp=False, tensor_parallel=False)
         """
         options = state().options
-        chosen = fp8_filter_option(options.get("fp8_module_filter"), "accel.distributed()")
+        chosen = code_option("fp8_module_filter", options.get("fp8_module_filter"),
+                             "accel.distributed()")
         config = float8_config(
             options.get("fp8_recipe"), fsdp_all_gather=fsdp and not tensor_parallel
         )

@@ -1,8 +1,12 @@
 """Which unit serves each mixed precision mode: :data:`PRECISIONS` and :func:`precision_for`.
 
 Adding a mode is one module in ``accel/precision/`` (a :class:`~accel.precision.base.Precision`
-subclass) plus one entry here (and its name among ``accel.core.settings.MixedPrecision``'s
-choices, which ``distributed()`` checks without importing this package).
+subclass) plus one entry here, and in the settings table (``accel.core.settings``, which
+``distributed()`` checks without importing this package) its name among ``MixedPrecision``'s
+choices and its options: a ``SETTINGS`` entry with ``mode=`` for one a file, an ``ACCEL_*``
+variable or ``accel launch --<key>`` may give (``code=`` for what code may also give), a
+``PRECISION_CODE_OPTIONS`` entry for one only code gives. Nothing else changes: ``distributed()``
+checks the options generically and ``accel launch`` makes their flags from the table.
 """
 
 from __future__ import annotations

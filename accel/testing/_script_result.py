@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import attrs
 
 from accel.errors import CollectiveTimeoutError, LaunchError
+from accel.launch.failures import exit_text
 
-__all__ = ["ScriptResult", "exit_text", "tail"]
+__all__ = ["ScriptResult", "tail"]
 
 _TAIL_LINES = 40  # lines of a rank's output quoted in an error
 
@@ -104,15 +104,6 @@ class ScriptResult:
             lines += [f"----- end of rank {rank}'s stdout -----", tail(self.stdout[rank]),
                       f"----- end of rank {rank}'s stderr -----", tail(self.stderr[rank])]
         return "\n".join(lines)
-
-
-def exit_text(code: int) -> str:
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        return f"killed by signal {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
 
 
 def tail(text: str) -> str:

@@ -35,7 +35,8 @@ from typing import Any
 from accel.core.env import environ_snapshot, read_launch_env, read_variable
 from accel.core.settings import cpu_count
 from accel.errors import CollectiveTimeoutError, ConfigError, LaunchError
-from accel.testing._script_result import ScriptResult, exit_text, tail
+from accel.launch.failures import exit_text
+from accel.testing._script_result import ScriptResult, tail
 
 __all__ = ["RunningScript", "run_script", "start_script"]
 
@@ -97,7 +98,7 @@ def _run_as_python(script: str, args: tuple[str, ...]) -> None:
     An uncaught exception prints its traceback and exits 1; an uncaught KeyboardInterrupt
     ends the process by SIGINT, as CPython does.
     """
-    from accel.launch.worker import _user_frames
+    from accel.launch.worker import user_frames
 
     filename = os.path.abspath(script)
     sys.argv = [script, *args]
@@ -107,7 +108,7 @@ def _run_as_python(script: str, args: tuple[str, ...]) -> None:
     except SystemExit:
         raise
     except BaseException as error:
-        error.__traceback__ = _user_frames(error.__traceback__, filename)
+        error.__traceback__ = user_frames(error.__traceback__, filename)
         traceback.print_exception(type(error), error, error.__traceback__)
         sys.stderr.flush()
         if isinstance(error, KeyboardInterrupt):

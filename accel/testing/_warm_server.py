@@ -17,7 +17,6 @@ processes a script started, in a new session or not): see
 from __future__ import annotations
 
 import gc
-import importlib
 import sys
 from multiprocessing import forkserver
 
@@ -35,8 +34,8 @@ def _in_fork_server() -> bool:
     return False
 
 
-for _module in sorted(set(accel._LAZY.values())):
-    importlib.import_module(_module)
+for _name in accel.__all__:  # each lazy name imports the module behind it
+    getattr(accel, _name)
 
 if _in_fork_server():
     end_what_workers_leave()

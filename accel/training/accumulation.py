@@ -17,20 +17,16 @@ Where things live:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from accel.core.scope import scope
 from accel.core.state import state
 from accel.errors import ArgumentTypeError
-from accel.parallel.fsdp_params import set_gradient_sync
-from accel.precision.registry import PRECISIONS
+from accel.parallel.engines.registry import ENGINES
 from accel.training.model import _compiled_inner
 
 __all__ = [
@@ -94,18 +90,10 @@ def backward(loss: torch.Tensor, **kwargs: Any) -> None:
             "Pass the tensor the loss function returned, e.g. `accel.backward(loss)`."
         )
     st = state()
-    if st.strategy == "deepspeed":  # the engine divides by the steps and scales fp16 itself
-        from accel.parallel.deepspeed.engine import backward as engine_backward
-
-        engine_backward(loss, **kwargs)
-        return
-    steps = st.gradient_accumulation_steps
-    if steps > 1:
-        loss = loss / steps
-    # fp16: the GradScaler's scale (the unit straight from the registry: the mode was checked
-    # when the state was made, and this runs every step)
-    loss = PRECISIONS[st.mixed_precision].scale_loss(loss)
-    loss.backward(**kwargs)  # type: ignore[no-untyped-call]
+    # the unit straight from the registry (the name was checked when the state was made, and
+    # this runs every step): the loss divided by the accumulation steps and scaled by the
+    # precision unit, or DeepSpeed's engine doing both
+    ENGINES[st.strategy].backward(loss, st, kwargs)
 
 
 def sync_gradients() -> bool:
@@ -131,41 +119,14 @@ def _require_module(op: str, model: object) -> None:
         )
 
 
-def _ddp_no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any] | None:
-    """The context that turns off gradient sync for ``model``, or ``None`` if it has none."""
-    if isinstance(model, DistributedDataParallel):
-        return model.no_sync()
-    set_sync = getattr(type(model), "set_requires_gradient_sync", None)
-    if set_sync is not None:  # FSDP2 (fully_shard) modules
-        return _FSDP2Sync(model, False)
+def _sync_off(model: nn.Module) -> contextlib.AbstractContextManager[Any] | None:
+    """The context that turns off gradient sync for ``model`` (its engine's), or ``None``."""
+    for engine in ENGINES.values():  # the one whose module this is
+        context = engine.no_sync(model)
+        if context is not None:
+            return context
     inner = _compiled_inner(model)  # prepare_model(compile=True): the wrapper is inside
-    return None if inner is None else _ddp_no_sync(inner)
-
-
-class _FSDP2Sync:
-    """Set FSDP2's gradient-sync flag for the block (a class: cheaper than a generator).
-
-    FSDP2 has no getter for the flag; its default (and the state outside these blocks) is
-    True, so both blocks leave it True.
-    """
-
-    __slots__ = ("_model", "_requires_sync")
-
-    def __init__(self, model: nn.Module, requires_sync: bool) -> None:
-        self._model = model
-        self._requires_sync = requires_sync
-
-    def __enter__(self) -> None:
-        set_gradient_sync(self._model, self._requires_sync)
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if not self._requires_sync:
-            set_gradient_sync(self._model, True)
+    return None if inner is None else _sync_off(inner)
 
 
 class _Accumulate:
@@ -199,7 +160,7 @@ class _Accumulate:
         sc.sync_gradients = sync
         if not sync:
             for model in models:
-                context = _ddp_no_sync(model)
+                context = _sync_off(model)
                 if context is not None:
                     context.__enter__()
                     if self._exits is None:
@@ -272,24 +233,8 @@ def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         >>> accel.backward(loss_fn(model(x2), y2))      # synchronises both
     """
     _require_module("no_sync", model)
-    context = _ddp_no_sync(model)
+    context = _sync_off(model)
     return contextlib.nullcontext() if context is None else context
-
-
-@contextmanager
-def _ddp_trigger_sync(model: DistributedDataParallel) -> Iterator[None]:
-    old_backward = model.require_backward_grad_sync
-    old_forward = model.require_forward_param_sync
-    model.require_backward_grad_sync = True
-    model.require_forward_param_sync = True
-    # The forward ran under no_sync, so the reducer was not told to expect a backward; tell it
-    # now, as DDP's own forward does on a sync step (all parameters are taken as used).
-    model.reducer.prepare_for_backward([])
-    try:
-        yield
-    finally:
-        model.require_backward_grad_sync = old_backward
-        model.require_forward_param_sync = old_forward
 
 
 def trigger_sync_in_backward(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
@@ -318,8 +263,8 @@ def trigger_sync_in_backward(model: nn.Module) -> contextlib.AbstractContextMana
     inner = _compiled_inner(model)
     if inner is not None:  # prepare_model(compile=True): the wrapper is inside
         model = inner
-    if isinstance(model, DistributedDataParallel):
-        return _ddp_trigger_sync(model)
-    if getattr(type(model), "set_requires_gradient_sync", None) is not None:
-        return _FSDP2Sync(model, True)
+    for engine in ENGINES.values():
+        context = engine.sync_on(model)
+        if context is not None:
+            return context
     return contextlib.nullcontext()

@@ -11,7 +11,6 @@ argument.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -23,6 +22,7 @@ from torch import nn
 from accel.comm.collectives import begin
 from accel.core.state import state
 from accel.errors import ConfigError
+from accel.parallel.engines.registry import ENGINES, engine_for
 from accel.training.accumulation import no_sync
 from accel.training.model import _prepared_result
 
@@ -53,12 +53,9 @@ def _check_steps(local_sgd_steps: object, enabled: bool) -> int | None:
 
 
 def _is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` is sharded by FSDP (FSDP2's ``fully_shard`` or FSDP1's wrapper)."""
-    if getattr(type(module), "set_requires_gradient_sync", None) is not None:  # FSDP2
-        return True
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    wrapper = getattr(fsdp, "FullyShardedDataParallel", None) if fsdp is not None else None
-    return wrapper is not None and isinstance(module, wrapper)
+    """Whether ``module`` holds only shards of its parameters (FSDP2's ``fully_shard`` or
+    FSDP1's wrapper): every engine is asked."""
+    return any(engine.is_sharded(module) for engine in ENGINES.values())
 
 
 def _resolve_model(model: object) -> nn.Module:
@@ -75,8 +72,9 @@ def _resolve_model(model: object) -> nn.Module:
 
 
 def _refuse_sharding(model: nn.Module, strategy: str) -> None:
-    if strategy == "fsdp" or _is_sharded(model):
-        what = f"strategy={strategy!r}" if strategy == "fsdp" else f"{type(model).__name__!r}"
+    engine_shards = engine_for(strategy).shards_parameters
+    if engine_shards or _is_sharded(model):
+        what = f"strategy={strategy!r}" if engine_shards else f"{type(model).__name__!r}"
         raise ConfigError(
             f"LocalSGD supports replicated models only (one process, or DDP with strategy "
             f"'none'/'ddp'), but got an FSDP-sharded setup ({what}): each rank holds only "

@@ -1,10 +1,11 @@
-"""Prepare a model for the run (device, mixed precision forward, DDP or FSDP2, compile) and
+"""Prepare a model for the run (device, mixed precision forward, the engine, compile) and
 unwrap it.
 
-FSDP2 (``strategy="fsdp"``, ``torch.distributed.fsdp.fully_shard``) lives in
-``accel/parallel/fsdp.py`` (imported only when that strategy is used); this module dispatches to
-it. Nothing else in the training path assumes DDP: accumulation, clipping and the optimizer
-wrapper work on any module.
+The order is this module's; what each engine does to the model (DDP's wrapper, FSDP2's
+sharding, DeepSpeed's refusal of a model alone) is its unit's
+(``accel.parallel.engines``), and a pipelined model's stages are built by
+``accel.parallel.pipeline.compose``. Nothing else in the training path assumes an engine:
+accumulation, clipping and the optimizer wrapper ask the unit.
 """
 
 from __future__ import annotations
@@ -16,16 +17,15 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from accel.core.options import BlockChoice, BlockSpec, blocks_option
-from accel.core.settings import STRATEGIES
 from accel.core.state import state
-from accel.errors import ArgumentTypeError, ConfigError
-from accel.parallel.blockwise import CompilePlan, checkpoint_blocks, compile_blocks, compile_plan
-from accel.parallel.ddp import DDPOptions, ddp_options, make_ddp, note_ignored
-from accel.parallel.ddp_teardown import watch_reducers
+from accel.errors import ArgumentTypeError
+from accel.parallel.blockwise import compile_blocks, compile_plan
+from accel.parallel.engines.base import Engine
+from accel.parallel.engines.registry import ENGINES, engine_for
 from accel.parallel.fsdp_params import mark_replaced
+from accel.parallel.pipeline.compose import prepare_pipelined
 from accel.precision.casting import prepare_forward, remove_forward
 from accel.precision.registry import precision_for
 
@@ -55,14 +55,8 @@ def _mark(module: nn.Module, result: nn.Module) -> None:
     module.__dict__[_PREPARED] = weakref.ref(result)
 
 
-def _resolve_strategy(strategy: str | None) -> str:
-    chosen = state().strategy if strategy is None else strategy
-    if chosen not in STRATEGIES:
-        raise ConfigError(
-            f"strategy={chosen!r} is not supported; choose one of {list(STRATEGIES)}, "
-            "e.g. `accel.prepare_model(model, strategy='ddp')`."
-        )
-    return chosen
+def _engine(strategy: str | None) -> Engine:
+    return engine_for(state().strategy if strategy is None else strategy)
 
 
 def _compiled_inner(model: nn.Module) -> nn.Module | None:
@@ -75,14 +69,6 @@ def _compiled_inner(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def _wrap_ddp(module: nn.Module, device: torch.device, options: DDPOptions) -> nn.Module:
-    placement: dict[str, Any] = {}
-    if device.type == "cuda" and device.index is not None:
-        placement = {"device_ids": [device.index], "output_device": device.index}
-    watch_reducers()
-    return make_ddp(module, options, placement)
-
-
 def _checkpointing_choice(given: object, run_options: Mapping[str, Any]) -> BlockChoice:
     """``prepare_model``'s ``activation_checkpointing``, else the run's, checked."""
     if given is not None:
@@ -93,48 +79,18 @@ def _checkpointing_choice(given: object, run_options: Mapping[str, Any]) -> Bloc
     )
 
 
-def _no_ddp_reason(chosen: str, world_size: int, evaluation_mode: bool, model: nn.Module) -> str:
-    """Why no DDP wrapper applies, or ``""`` when one does."""
-    if world_size == 1:
-        return "one process"
-    if chosen != "ddp":
-        return f"strategy={chosen!r}"
-    if evaluation_mode:
-        return "evaluation_mode=True"
-    if not any(p.requires_grad for p in model.parameters()):
-        return "the model has no trainable parameter"
-    return ""
-
-
-def _plan_to_apply(model: nn.Module, tp_plan: object) -> object | None:
-    """The tensor-parallel plan to apply: ``tp_plan`` as given; without one under a ``tp`` dim
-    > 1, ``"auto"`` for a model that carries its own plan (transformers); else ``None`` (a
-    model without a plan is left whole on every TP rank, said once)."""
-    if tp_plan is not None:
-        return tp_plan
-    tp = state().tp_world_size
-    if tp == 1:
-        return None
-    from accel.parallel.tensor_parallel import carries_plan, note_left_whole
-
-    if not carries_plan(model):
-        note_left_whole(model, tp)
-        return None
-    return "auto"
-
-
 def _split_tensor_parallel(model: nn.Module, tp_plan: object, device_placement: bool) -> bool:
     """Apply ``tp_plan`` on the state's mesh; whether the model was split.
 
     Without a plan under a ``tp`` dim > 1, a model that carries its own plan (transformers)
     is split by it (``"auto"``); any other model is left whole on every TP rank (said once).
     """
+    from accel.parallel.tensor_parallel import apply_tensor_parallel, plan_to_apply
+
     st = state()
-    tp_plan = _plan_to_apply(model, tp_plan)
+    tp_plan = plan_to_apply(model, tp_plan)
     if tp_plan is None:
         return False
-    from accel.parallel.tensor_parallel import apply_tensor_parallel
-
     if device_placement:
         model.to(st.device)
     before = dict(model.named_parameters())
@@ -145,96 +101,23 @@ def _split_tensor_parallel(model: nn.Module, tp_plan: object, device_placement: 
     return split
 
 
-def _split_pipeline(
-    model: nn.Module, chosen: str, checkpointing: BlockChoice, plan: CompilePlan | None,
-    evaluation_mode: bool, device_placement: bool, tp_plan: object,
-    strategy_options: dict[str, Any], pipeline: dict[str, Any],
-) -> bool:
-    """Split ``model`` into this rank's pipeline stages (TP inside each over the ``tp`` dim,
-    then FSDP2 over the data-parallel dims, then regional compilation of its blocks); whether
-    it was split (not without a ``pp`` dim)."""
-    from accel.parallel.pipeline.stages import pipeline_model
-
-    st = state()
-    tp_styles = None
-    if st.pp_world_size > 1:
-        if plan is not None and plan.regional is False:
-            raise ConfigError(
-                "prepare_model(compile=True) compiles the whole model, which a pipeline never "
-                "calls: torch's schedule runs each stage's module on its own, between the "
-                "sends and receives of activations. Compile each stage's blocks instead: "
-                "`compile='regional'` (or `compile={'regional': True, ...options}`)."
-            )
-        if st.cp_world_size > 1:
-            raise ConfigError(
-                f"Pipeline parallelism (pp_size={st.pp_world_size}) with context parallelism "
-                f"(cp_size={st.cp_world_size}) is not available yet: the stages pass hidden "
-                "states of whole sequences and do not split them. Use pp_size with data "
-                "parallelism, or cp_size without pp_size."
-            )
-        if chosen == "ddp" and st.dp_world_size > 1 and strategy_options:
-            note_ignored(ddp_options(st.options, strategy_options), "pipeline parallelism")
-        tp_styles = _stage_tensor_plan(model, tp_plan)
-    shard = None
-    if st.dp_world_size > 1 and not evaluation_mode and st.pp_world_size > 1:
-        from accel.parallel import fsdp
-
-        sharding = fsdp.fsdp_options(st.options, strategy_options if chosen == "fsdp" else {})
-
-        def shard(module: nn.Module) -> nn.Module:
-            return fsdp.shard_model(module, sharding, device_placement=device_placement)
-
-    def checkpoint(view: nn.Module) -> None:
-        checkpoint_blocks(view, checkpointing)
-
-    def compile_view(view: nn.Module) -> None:
-        assert plan is not None  # set when compile_view is passed
-        compile_blocks(view, plan.regional, plan.options)
-
-    def convert(whole: nn.Module) -> None:  # fp8's layers, once the plan is checked
-        _convert_modules(whole, chosen, tp_plan, evaluation_mode)
-
-    return pipeline_model(
-        model, **pipeline, device_placement=device_placement, shard=shard,
-        checkpoint=None if checkpointing is False else checkpoint, checkpointing=checkpointing,
-        convert=convert, tp_styles=tp_styles,
-        compile_blocks=None if plan is None else compile_view,
-    )
-
-
-def _stage_tensor_plan(model: nn.Module, tp_plan: object) -> dict[str, Any] | None:
-    """Under a ``pp`` dim: the tensor-parallel plan checked on the whole (unsplit) model,
-    module name -> torch style, which each rank applies to its stages after the split;
-    ``None`` when nothing is split (no ``tp`` dim, or a model without a plan of its own)."""
-    st = state()
-    tp_plan = _plan_to_apply(model, tp_plan)
-    if tp_plan is None:
-        return None
-    from accel.parallel.tp_plan import check_plan
-
-    chosen = check_plan(model, tp_plan, st.tp_world_size)
-    return chosen if st.tp_world_size > 1 else None
-
-
 def _convert_modules(
-    model: nn.Module, chosen: str, tp_plan: object, evaluation_mode: bool
+    model: nn.Module, engine: Engine, tp_plan: object, evaluation_mode: bool, *,
+    stages: bool = False,
 ) -> None:
     """The mode's own layers (fp8: torchao's float8 ``nn.Linear``), before any split or
-    sharding, told whether FSDP2 will shard the model and whether TP may split it."""
+    sharding, told whether FSDP2 will shard the model (always pipeline ``stages``) and
+    whether TP may split it."""
+    from accel.parallel.tensor_parallel import carries_plan
+
     st = state()
-    tensor_parallel = st.tp_world_size > 1 and (tp_plan is not None or _carries_plan(model))
+    tensor_parallel = st.tp_world_size > 1 and (tp_plan is not None or carries_plan(model))
     fsdp = not evaluation_mode and st.dp_world_size > 1 and (
-        chosen == "fsdp" or tensor_parallel or st.pp_world_size > 1  # stages: always FSDP2
+        engine.shards_parameters or tensor_parallel or stages
     )
     precision_for(st.mixed_precision).convert_modules(
         model, fsdp=fsdp, tensor_parallel=tensor_parallel
     )
-
-
-def _carries_plan(model: nn.Module) -> bool:
-    from accel.parallel.tensor_parallel import carries_plan
-
-    return carries_plan(model)
 
 
 def prepare_model(
@@ -353,63 +236,41 @@ def prepare_model(
     existing = _prepared_result(model)
     if existing is not None:
         return existing
-    chosen = _resolve_strategy(strategy)
-    if chosen == "deepspeed":
-        from accel.parallel.deepspeed.engine import refuse
-
-        raise refuse("accel.prepare_model(model) on its own")
+    engine = _engine(strategy)
+    engine.refuse_prepare_model()
     st = state()
     checkpointing = _checkpointing_choice(activation_checkpointing, st.options)
-    if pp_plan is not None or st.pp_world_size > 1:
-        pipelined = _split_pipeline(
-            model, chosen, checkpointing, plan, evaluation_mode, device_placement, tp_plan,
-            strategy_options,
-            {"plan": pp_plan, "schedule": pp_schedule, "microbatches": microbatches,
-             "stages_per_rank": stages_per_rank},
-        )
-        if pipelined:
-            _mark(model, model)
-            return model
-    shard_modules = None
-    _convert_modules(model, chosen, tp_plan, evaluation_mode)
+
+    def convert(whole: nn.Module) -> None:  # fp8's layers, once the stage plan is checked
+        _convert_modules(whole, engine, tp_plan, evaluation_mode, stages=True)
+
+    pipeline = {"plan": pp_plan, "schedule": pp_schedule, "microbatches": microbatches,
+                "stages_per_rank": stages_per_rank}
+    if prepare_pipelined(
+        model, engine.stage_options, strategy_options, checkpointing=checkpointing, plan=plan,
+        evaluation_mode=evaluation_mode, device_placement=device_placement, tp_plan=tp_plan,
+        convert=convert, pipeline=pipeline,
+    ):
+        _mark(model, model)
+        return model
+    _convert_modules(model, engine, tp_plan, evaluation_mode)
     split = _split_tensor_parallel(model, tp_plan, device_placement)
-    if st.cp_world_size > 1:  # a transformers model's attention and forward split the sequence
-        from accel.parallel.context_parallel import apply_context_parallel
+    from accel.parallel.context_parallel import apply_context_parallel
 
-        apply_context_parallel(model)
-    if split and chosen != "fsdp":
-        # TP weights are DTensors, which DDP cannot sync: FSDP2 keeps the data-parallel
-        # replicas in sync instead (a shard size of 1 when only dp_replicate is set).
-        note_ignored(ddp_options(st.options, {}), "tensor parallelism")
-        group = st.dp_world_size * st.cp_world_size  # cp ranks sync like data-parallel ones
-        chosen = "fsdp" if group > 1 and not evaluation_mode else "none"
-        strategy_options = {}
-    if chosen == "fsdp":
-        from accel.parallel import fsdp  # torch.distributed.fsdp loads only for this strategy
-
-        sharding = fsdp.fsdp_options(st.options, strategy_options)
-        shard_modules = sharding.shard_modules
-        if checkpointing is not False:  # before sharding: FSDP's hooks stay outside
-            checkpoint_blocks(model, checkpointing, shard_modules=shard_modules)
-        model = fsdp.shard_model(
-            model, sharding, evaluation_mode=evaluation_mode, device_placement=device_placement
-        )
-    else:
-        ddp = ddp_options(st.options, strategy_options)
-        if checkpointing is not False:
-            checkpoint_blocks(model, checkpointing)
-        if device_placement:
-            model = model.to(st.device)
+    apply_context_parallel(model)  # under a cp dim: a transformers model splits its sequences
+    if split:  # TP weights are DTensors: FSDP2 keeps the replicas in sync, not DDP
+        synced = engine.under_tensor_parallel(st, evaluation_mode)
+        if synced != engine.name:
+            engine, strategy_options = engine_for(synced), {}
+    placed = engine.place(
+        model, st, strategy_options, checkpointing=checkpointing,
+        evaluation_mode=evaluation_mode, device_placement=device_placement,
+    )
+    model = placed.model
     if plan is not None and plan.regional is not False:  # in place, after sharding
-        compile_blocks(model, plan.regional, plan.options, shard_modules=shard_modules)
+        compile_blocks(model, plan.regional, plan.options, shard_modules=placed.shard_modules)
     prepare_forward(model)  # the mode's autocast wrapper, if it has one
-    result: nn.Module = model
-    if chosen != "fsdp" and not split:
-        no_ddp = _no_ddp_reason(chosen, st.world_size, evaluation_mode, model)
-        if no_ddp:
-            note_ignored(ddp, no_ddp)
-        else:
-            result = _wrap_ddp(model, st.device, ddp)
+    result = model if split else engine.wrap(placed, st, evaluation_mode)
     if plan is not None and plan.regional is False:
         result = torch.compile(result, **plan.options)  # type: ignore[assignment]
     _mark(model, result)
@@ -439,14 +300,12 @@ def unwrap_model(model: nn.Module, *, keep_fp32_wrapper: bool = True) -> nn.Modu
         True
     """
     while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-            continue
         inner = _compiled_inner(model)
-        if inner is None and "deepspeed" in sys.modules:
-            from accel.parallel.deepspeed.engine import inner_module
-
-            inner = inner_module(model)
+        if inner is None:
+            for unit in ENGINES.values():  # DDP's wrapper, DeepSpeed's engine
+                inner = unit.inner(model)
+                if inner is not None:
+                    break
         if inner is None:
             break
         model = inner

@@ -26,13 +26,10 @@ import torch
 from accel.core.scope import scope
 from accel.core.state import ProcessState, state
 from accel.errors import ArgumentTypeError, NotPicklableError
-from accel.parallel.fsdp_params import (
-    check_optimizer_parameters,
-    clip_by_total_norm,
-    layout_groups,
-)
+from accel.parallel.engines.registry import ENGINES, engine_for
+from accel.parallel.fsdp_params import check_optimizer_parameters, layout_groups
 from accel.precision.base import Layouts
-from accel.precision.registry import PRECISIONS, precision_for
+from accel.precision.registry import precision_for
 
 __all__ = [
     "PreparedOptimizer",
@@ -145,12 +142,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
     # -- the hot path --------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Zero the gradients, except while gradients are being accumulated."""
-        if not scope().sync_gradients or state().strategy == "deepspeed":
-            return  # DeepSpeed's engine zeroes the gradients in its step
-        if set_to_none is None:
-            self.optimizer.zero_grad()
-        else:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+        ENGINES[state().strategy].zero_grad(self.optimizer, set_to_none, scope().sync_gradients)
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         """Step the user's optimizer on sync steps (through the GradScaler under fp16).
@@ -161,22 +153,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
         otherwise.
         """
         st = state()
-        if st.strategy == "deepspeed":  # the engine steps (and counts its micro-steps)
-            from accel.parallel.deepspeed.engine import step as engine_step
-
-            engine_step(self)
-            return None
-        if not scope().sync_gradients:
-            return None
-        # the unit straight from the registry (the mode was checked when the state was made):
+        # the unit straight from the registry (the name was checked when the state was made):
         # this runs every step, and each Python call frame costs ~0.1 us
-        unit = PRECISIONS[st.mixed_precision]
-        if st.mesh is not None:
-            from torch.distributed.tensor.experimental import implicit_replication
-
-            with implicit_replication():
-                return unit.step(self, closure, layout_groups)
-        return unit.step(self, closure, None)
+        return ENGINES[st.strategy].step(self, closure, st, scope().sync_gradients, layout_groups)
 
 
 def _layouts(st: ProcessState) -> Layouts | None:
@@ -255,10 +234,7 @@ def prepare_optimizer(optimizer: Any, *, device_placement: bool = True) -> Prepa
             "`accel.prepare_optimizer(torch.optim.AdamW(model.parameters()))`."
         )
     st = state()
-    # under DeepSpeed the engine scales fp16 losses itself
-    scaler = None if st.strategy == "deepspeed" else (
-        precision_for(st.mixed_precision).optimizer_scaler()
-    )
+    scaler = engine_for(st.strategy).optimizer_scaler(st)  # DeepSpeed's engine scales itself
     check_optimizer_parameters(optimizer)
     if device_placement:
         _place_state(optimizer, st.device)
@@ -363,16 +339,9 @@ def clip_grad_norm_(
         >>> optimizer.step()
     """
     params = _as_list(parameters)
-    if state().strategy == "deepspeed":  # the engine clips inside its step
-        from accel.parallel.deepspeed.engine import clip_grad_norm
-
-        return clip_grad_norm(max_norm, norm_type)
-    sc = scope()
-    if not sc.sync_gradients:
-        norm = clip_by_total_norm(params, None, norm_type)
-        return precision_for(state().mixed_precision).unscaled_norm(norm)
-    unscale_gradients()
-    return clip_by_total_norm(params, max_norm, norm_type)
+    return engine_for(state().strategy).clip_grad_norm(
+        params, max_norm, norm_type, scope().sync_gradients, unscale_gradients
+    )
 
 
 def clip_grad_value_(parameters: Params, clip_value: float) -> None:
@@ -389,11 +358,6 @@ def clip_grad_value_(parameters: Params, clip_value: float) -> None:
         >>> accel.backward(loss)
         >>> accel.clip_grad_value_(model.parameters(), 0.5)
     """
-    if state().strategy == "deepspeed":
-        from accel.parallel.deepspeed.engine import refuse
-
-        raise refuse("accel.clip_grad_value_ (DeepSpeed clips the norm: gradient_clipping)")
-    if not scope().sync_gradients:
-        return
-    unscale_gradients()
-    torch.nn.utils.clip_grad_value_(_as_list(parameters), clip_value)
+    engine_for(state().strategy).clip_grad_value(
+        _as_list(parameters), clip_value, scope().sync_gradients, unscale_gradients
+    )

@@ -11,7 +11,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from accel.core.state import state
-from accel.errors import ConfigError
+from accel.parallel.engines.registry import engine_for
 from accel.parallel.fsdp_params import adopt_sharded_parameters
 from accel.training.model import _mark, prepare_model
 from accel.training.optim import prepare_optimizer
@@ -67,8 +67,9 @@ def prepare(*objects: Any) -> Any:
         ...     model, optimizer, loader, scheduler
         ... )
     """
-    if state().strategy == "deepspeed":
-        return _single(_prepare_deepspeed(objects))
+    together = engine_for(state().strategy).prepare(objects, _prepare_one, _mark)
+    if together is not None:  # DeepSpeed: the model and its optimizer into one engine
+        return _single(together)
     results: list[Any] = list(objects)
     for index in sorted(range(len(objects)), key=lambda i: _kind(objects[i])):
         if isinstance(objects[index], torch.optim.Optimizer):  # after every model
@@ -81,36 +82,3 @@ def _single(results: list[Any]) -> Any:
     if len(results) == 1:
         return results[0]
     return tuple(results)
-
-
-def _prepare_deepspeed(objects: tuple[Any, ...]) -> list[Any]:
-    """``strategy="deepspeed"``: loaders first (their batch size fills the config), then the
-    model and its optimizer through ``deepspeed.initialize``; the model comes back as the
-    engine, the optimizer prepared as usual (its ``step`` is the engine's), schedulers too."""
-    from accel.parallel.deepspeed.engine import initialize
-
-    models = [obj for obj in objects if isinstance(obj, nn.Module)]
-    optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
-    if len(models) != 1 or len(optimizers) > 1:
-        raise ConfigError(
-            f"strategy='deepspeed' prepares one model with at most one optimizer per "
-            f"accel.prepare call, got {len(models)} model(s) and {len(optimizers)} "
-            "optimizer(s). Wrap several models in one nn.Module, e.g. "
-            "`model, optimizer, loader = accel.prepare(model, optimizer, loader)`."
-        )
-    results: list[Any] = [
-        obj if isinstance(obj, nn.Module | torch.optim.Optimizer | LRScheduler)
-        else _prepare_one(obj) for obj in objects
-    ]
-    user_optimizer = getattr(optimizers[0], "optimizer", optimizers[0]) if optimizers else None
-    loaders = [r for r in results if hasattr(r, "total_batch_size")]
-    schedulers = [obj for obj in objects if isinstance(obj, LRScheduler)]
-    run = initialize(models[0], user_optimizer, loaders, schedulers[0] if schedulers else None)
-    _mark(models[0], run.engine)
-    _mark(run.engine, run.engine)
-    for index, obj in enumerate(objects):
-        if isinstance(obj, nn.Module):
-            results[index] = run.engine
-        elif isinstance(obj, torch.optim.Optimizer | LRScheduler):
-            results[index] = _prepare_one(obj)
-    return results

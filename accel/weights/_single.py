@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from accel._files.format import _NAMES, map_safetensors, write_safetensors
-from accel._files.safe_io import open_regular
+from accel._files.format import NAMED_DTYPES, map_safetensors, write_safetensors
+from accel._files.safe_io import open_regular, pread_into
 from accel._files.torch_zip import opened_torch_file
 from accel.errors import CheckpointArgumentError, CheckpointError, ConfigError
 
@@ -205,15 +205,6 @@ def _kind(path: Path) -> str:
     return "unknown"
 
 
-def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
-    """Read from ``fd`` at ``offset`` into ``buffer``; the number of bytes read."""
-    if hasattr(os, "preadv"):
-        return os.preadv(fd, [buffer], offset)
-    data = os.pread(fd, len(buffer), offset)
-    buffer[: len(data)] = data
-    return len(data)
-
-
 def _read_safetensors(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
     """Every tensor of the file in memory of its own (not a view of a map of the file).
 
@@ -229,13 +220,13 @@ def _read_safetensors(path: Path, device: torch.device) -> dict[str, torch.Tenso
         mapped.close()
         out: dict[str, torch.Tensor] = {}
         for name, info in entries:  # in file order, back to back (checked above)
-            dtype, shape = _NAMES[info["dtype"]], tuple(info["shape"])
+            dtype, shape = NAMED_DTYPES[info["dtype"]], tuple(info["shape"])
             start, end = info["data_offsets"]
             raw = torch.empty(end - start, dtype=torch.uint8)
             buffer = raw.numpy().data  # a writable memoryview of the tensor's bytes
             filled = 0
             while filled < len(buffer):
-                got = _pread_into(fd, buffer[filled:], base + start + filled)
+                got = pread_into(fd, buffer[filled:], base + start + filled)
                 if not got:
                     raise CheckpointError(
                         f"{os.fspath(path)!r} ended while reading tensor {name!r}: the file "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,8 +15,9 @@ from torch import nn
 from accel._files.atomic import temp_sibling, write_file_atomically
 from accel._files.format import write_bytes, write_safetensors
 from accel._files.paths import as_module, as_path
-from accel.core.sizes import parse_size
+from accel.core.sizes import parse_shard_size
 from accel.errors import CheckpointError
+from accel.parallel.engines.registry import ENGINES
 from accel.training.model import unwrap_model
 from accel.weights import _model_swap
 from accel.weights import full as _full_weights
@@ -53,11 +53,10 @@ def get_state_dict(model: nn.Module, *, unwrap: bool = True) -> dict[str, torch.
     sharded = _full_weights.sharded_state(target)
     if sharded is not None:
         return _full_weights.gather(sharded)
-    if "deepspeed" in sys.modules:  # ZeRO-3: each parameter gathered from its partitions
-        from accel.parallel.deepspeed.weights import gathered_state_dict, is_partitioned
-
-        if is_partitioned(target):
-            return gathered_state_dict(target)
+    for engine in ENGINES.values():  # weights only the engine can gather (ZeRO-3 partitions)
+        full = engine.full_state_dict(target)
+        if full is not None:
+            return full
     return {k: v.detach() for k, v in target.state_dict().items()}
 
 
@@ -65,16 +64,6 @@ def _pipelined(module: nn.Module) -> bool:
     from accel.parallel.pipeline.stages import pipeline_of
 
     return pipeline_of(module) is not None
-
-
-def _parse_size(size: int | str) -> int:
-    parsed = parse_size(size)
-    if parsed is None or parsed <= 0:
-        raise CheckpointError(
-            f"max_shard_size={size!r} is not a size; give bytes or a string such as '10GB', "
-            "'500MB' or '2GiB'."
-        )
-    return parsed
 
 
 def _shards(tensors: Mapping[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
@@ -249,7 +238,7 @@ def save_model(
 
     out = as_path(directory, "accel.save_model", "directory")
     as_module(model, "accel.save_model")
-    limit = _parse_size(max_shard_size)
+    limit = parse_shard_size(max_shard_size, example="10GB")
     each = _nodes.resolve(on_each_node, "save_model")
     module = unwrap_model(model)
     # FSDP: gathered file by file (a pipelined model's stages: all at once, every rank)

@@ -26,7 +26,6 @@ differ from what the pickle declares, would map as wrong values and are refused.
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -37,7 +36,7 @@ import torch
 from torch import nn
 
 from accel._files.format import read_safetensors
-from accel._files.torch_zip import is_zip, opened_torch_file
+from accel._files.torch_load import load_torch_file
 from accel._files.values import dtype_kind, odd_tensor
 from accel.errors import CheckpointError, DeviceMapError
 
@@ -236,19 +235,13 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
         )
     if path.suffix == ".safetensors":
         return read_safetensors(path)[0]
-    try:
-        with opened_torch_file(path) as (file, own):  # a zip is checked before it is mapped
-            zipped = is_zip(file)
-            loaded = torch.load(own if zipped else file, map_location="cpu",
-                                weights_only=True, mmap=zipped)
-    except CheckpointError:
-        raise
-    except pickle.UnpicklingError as exc:
-        raise _refused(path, exc) from None
-    except Exception as exc:  # the unpickler reports damaged files with many error types
-        raise CheckpointError(
+    loaded = load_torch_file(
+        path,
+        refused=lambda exc: _refused(path, exc),
+        corrupted=lambda exc: CheckpointError(
             f"Weights file {os.fspath(path)!r} is corrupted: {exc}. Write it again."
-        ) from None
+        ),
+    )
     if not isinstance(loaded, Mapping) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()
     ):

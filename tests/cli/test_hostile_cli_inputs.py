@@ -31,8 +31,8 @@ from torch import nn
 
 import accel
 from accel._files.format import FileRecord
+from accel._files.objects import plan_object
 from accel._files.writer import write_files
-from accel.checkpoint.objects import plan_object
 from accel.cli import model_source
 from accel.cli.main import main
 

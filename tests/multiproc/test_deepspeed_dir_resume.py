@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import accel
-from accel.checkpoint.deepspeed_format import DeepSpeedCheckpointInfo
+from accel.checkpoint._from_deepspeed import DeepSpeedCheckpointInfo
 from accel.errors import CheckpointError
 from accel.testing import run_distributed
 from tests.deepspeed_marks import DEEPSPEED

@@ -51,7 +51,6 @@ def test_a_build_is_announced_once_and_a_stale_lock_is_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(ops, "_WARNED", set())
     with pytest.warns(RuntimeWarning, match=r"compile its C\+\+ op 'fused_adam'.*3-4 minutes"):
         assert ops.warn_builds(_adam(), client_optimizer=False) == ["fused_adam"]
     with warnings.catch_warnings():

@@ -42,8 +42,8 @@ from torch import nn
 
 import accel
 from accel._files.format import write_safetensors
+from accel._files.objects import plan_object
 from accel._files.writer import write_files
-from accel.checkpoint.objects import plan_object
 from accel.errors import CheckpointError
 from accel.weights import stream as _stream
 

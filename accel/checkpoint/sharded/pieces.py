@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel._files.objects import plan_object
 from accel._files.writer import PlannedFile
-from accel.checkpoint.objects import plan_object
 from accel.core.mesh import covered_dims
 from accel.core.state import state
 from accel.core.tree import dtensor_type, holds_dtensors, plain_tensor

@@ -29,8 +29,8 @@ from typing import Any, TypeGuard
 import torch
 from torch import nn
 
+from accel._files.objects import read_checked, read_object
 from accel._files.safe_io import load_json
-from accel.checkpoint.objects import _read_checked, read_object
 from accel.checkpoint.sharded.pieces import (
     SHARD_REF,
     SHARDS,
@@ -49,7 +49,7 @@ from accel.weights.ties import (
     untie,
 )
 
-__all__ = ["are_counts", "disjoint", "resolve"]
+__all__ = ["Pieces", "are_counts", "disjoint", "resolve"]
 
 _MAX_DIMS = 64  # as a safetensors header: more is no tensor accel wrote
 
@@ -58,8 +58,13 @@ def _is_ref(value: Any) -> bool:
     return isinstance(value, dict) and len(value) == 1 and isinstance(value.get(SHARD_REF), str)
 
 
-class _Pieces:
-    """The pieces every saved rank wrote for one object, read on demand."""
+class Pieces:
+    """The pieces every saved rank wrote for one object, read on demand.
+
+    Example:
+        >>> pieces = Pieces(root, "model", manifest_files, structure["sharded"])
+        >>> full = pieces.box("fc.weight", [0, 0], list(pieces.shape("fc.weight")), "cpu")
+    """
 
     def __init__(self, path: Path, name: str, files: dict[str, Any], meta: Any) -> None:
         self.path, self.name, self.files = path, name, files
@@ -71,7 +76,7 @@ class _Pieces:
         self.loaded: dict[str, dict[str, torch.Tensor]] = {}
         for file in sorted(f for f in files if f.startswith(prefix) and f.endswith(".json")):
             stem = file.removesuffix(".json")
-            raw = _read_checked(path / file, files[file])
+            raw = read_checked(path / file, files[file])
             body = load_json(raw, functools.partial(self._invalid, file))
             try:
                 pieces = body["extra"]["pieces"]
@@ -195,7 +200,7 @@ def _local_box(like: Any) -> tuple[list[int], list[int]]:
     return [int(o) for o in offset], [int(s) for s in shape]
 
 
-def _convert(value: Any, like: Any, pieces: _Pieces | None, what: str) -> Any:
+def _convert(value: Any, like: Any, pieces: Pieces | None, what: str) -> Any:
     """``value`` (a tensor in full or a piece reference) for a target shaped like ``like``.
 
     ``like`` is the target's DTensor (the result is a DTensor with its mesh and placements) or
@@ -235,7 +240,7 @@ def _convert(value: Any, like: Any, pieces: _Pieces | None, what: str) -> Any:
     )
 
 
-def _module_state(name: str, module: Any, saved: Any, pieces: _Pieces | None) -> Any:
+def _module_state(name: str, module: Any, saved: Any, pieces: Pieces | None) -> Any:
     """A module's (or any object's) saved state as its live ``state_dict()`` is shaped."""
     if not isinstance(saved, Mapping):
         return saved  # check_fits says what is wrong
@@ -254,7 +259,7 @@ def _module_state(name: str, module: Any, saved: Any, pieces: _Pieces | None) ->
 
 def _optimizer_state(
     name: str, optimizer: Any, saved: Any, extra: Mapping[str, Any], model: nn.Module | None,
-    pieces: _Pieces | None,
+    pieces: Pieces | None,
 ) -> Any:
     groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
     state = saved.get("state") if isinstance(saved, Mapping) else None
@@ -311,7 +316,7 @@ def _copy(value: Any, again: bool) -> Any:
     return value.clone() if again and isinstance(value, torch.Tensor) else value
 
 
-def _param_shaped(value: Any, param: Any, pieces: _Pieces | None) -> bool:
+def _param_shaped(value: Any, param: Any, pieces: Pieces | None) -> bool:
     if _is_ref(value) and pieces is not None:
         return pieces.shape(value[SHARD_REF]) == tuple(param.shape)
     return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(param.shape)
@@ -362,7 +367,7 @@ def resolve(
         if meta is None and not by_name and not holds_dtensors(params):
             loaded[name] = (saved, extra)
             continue
-        pieces = _Pieces(path, name, files, meta) if meta is not None else None
+        pieces = Pieces(path, name, files, meta) if meta is not None else None
         if module is not None:
             saved = _module_state(name, module, saved, pieces)
         elif isinstance(getattr(obj, "param_groups", None), list):

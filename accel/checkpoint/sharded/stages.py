@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel._files.objects import plan_object
 from accel._files.writer import PlannedFile
-from accel.checkpoint.objects import plan_object
 from accel.checkpoint.sharded.pieces import (
     SHARD_REF,
     SHARDS,

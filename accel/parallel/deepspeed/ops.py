@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import copy
 import importlib
-import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from accel.core.env import read_variable
+from accel.core.once import first_time
+
 __all__ = ["needed_ops", "prefer_torch_adam", "warn_builds"]
 
 _ADAMS = ("adam", "adamw")
-_WARNED: set[str] = set()
 
 
 def _offloaded(config: Mapping[str, Any]) -> bool:
@@ -97,7 +98,7 @@ def _build_dir(op: str) -> Path:
     """Where torch's extension loader builds ``op`` (its rule, computed: never created)."""
     import sys
 
-    own = os.environ.get("TORCH_EXTENSIONS_DIR")
+    own = read_variable("TORCH_EXTENSIONS_DIR")
     if own:
         return Path(own) / op
     torch = importlib.import_module("torch")
@@ -113,7 +114,7 @@ def _build_dir(op: str) -> Path:
 
 
 def warn_builds(config: Mapping[str, Any], *, client_optimizer: bool) -> list[str]:
-    """Warn once per op that DeepSpeed will compile for ``config``; return those ops.
+    """Warn once per op (and block) that DeepSpeed will compile for ``config``; return those ops.
 
     Example:
         >>> warn_builds({}, client_optimizer=True)
@@ -127,16 +128,16 @@ def warn_builds(config: Mapping[str, Any], *, client_optimizer: bool) -> list[st
                 if not installed.get(op, False)]
     for op in to_build:
         lock = _build_dir(op) / "lock"
-        if lock.exists() and op not in _WARNED:
-            _WARNED.add(op)
+        if not first_time((__name__, "op built", op)):
+            continue
+        if lock.exists():
             warnings.warn(
                 f"DeepSpeed's C++ op {op!r} has a build lock at {lock} left by a build that was "
                 "stopped; every run now waits on it forever. Delete that file (no build of it "
                 "may be running) and start again.",
                 RuntimeWarning, stacklevel=3,
             )
-        elif op not in _WARNED:
-            _WARNED.add(op)
+        else:
             warnings.warn(
                 f"This DeepSpeed config makes DeepSpeed compile its C++ op {op!r} now (about 3-4 "
                 "minutes, once per machine: it needs g++ and ninja, nvcc on CUDA; cached under "

@@ -18,7 +18,7 @@ import torch
 
 from accel.core.state import state
 
-__all__ = ["clip_over_stages"]
+__all__ = ["clip_over_stages", "stage_norm"]
 
 
 def _full(norm: torch.Tensor) -> torch.Tensor:
@@ -69,3 +69,18 @@ def clip_over_stages(
         for layout in groups:
             torch.nn.utils.clip_grads_with_norm_(layout, max_norm, total)
     return total
+
+
+def stage_norm(params: list[Any], max_norm: float | None, norm_type: float) -> torch.Tensor | None:
+    """Under a ``pp`` dim, :func:`clip_over_stages` of ``params`` grouped by mesh layout;
+    without one, ``None`` (the engine takes the norm over its own ranks).
+
+    Example:
+        >>> stage_norm(list(model.parameters()), 1.0, 2.0) is None   # no pipeline
+        True
+    """
+    if state().pp_world_size == 1:
+        return None
+    from accel.parallel.fsdp_params import layout_groups
+
+    return clip_over_stages(params, max_norm, norm_type, layout_groups(params))

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accel
-from accel.checkpoint.accelerate_format import AccelerateCheckpointInfo
+from accel.checkpoint._from_accelerate import AccelerateCheckpointInfo
 from accel.core.scope import scope
 from accel.errors import CheckpointError
 

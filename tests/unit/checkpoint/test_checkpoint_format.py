@@ -8,8 +8,8 @@ import pytest
 import safetensors.torch
 import torch
 
+from accel._files.encode import decode, encode
 from accel._files.format import read_safetensors, write_safetensors
-from accel.checkpoint.encode import decode, encode
 from accel.errors import CheckpointError
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,

@@ -21,7 +21,7 @@ from torch import nn
 
 import accel
 from accel._files import atomic as _atomic
-from accel.checkpoint.encode import decode
+from accel._files.encode import decode
 from accel.errors import CheckpointError
 
 

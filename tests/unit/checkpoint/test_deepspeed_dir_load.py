@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import accel
-from accel.checkpoint.deepspeed_format import DeepSpeedCheckpointInfo
+from accel.checkpoint._from_deepspeed import DeepSpeedCheckpointInfo
 from accel.errors import CheckpointError
 
 

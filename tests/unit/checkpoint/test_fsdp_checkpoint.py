@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import accel
+from accel._files.objects import plan_object
 from accel._files.writer import write_files
 from accel.checkpoint._fit import check_fits
-from accel.checkpoint.objects import plan_object
 from accel.checkpoint.sharded import pieces as _sharded
 from accel.checkpoint.sharded import reshard as _reshard
 from accel.errors import CheckpointArgumentError, CheckpointError
@@ -66,7 +66,7 @@ def _sharded_checkpoint(
 
 
 def _load(tmp: Path, files: dict[str, Any], objects: dict[str, Any]) -> dict[str, Any]:
-    from accel.checkpoint.objects import read_object
+    from accel._files.objects import read_object
 
     loaded = {name: read_object(tmp, name, files) for name in objects}
     _reshard.resolve(tmp, files, objects, loaded)

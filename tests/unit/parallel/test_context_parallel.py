@@ -12,7 +12,8 @@ import accel
 from accel.core.process_group import _cp_method
 from accel.errors import ConfigError
 from accel.launch.run import add_launch_options, command_line_settings
-from accel.parallel.context_parallel import _Plan, _shard
+from accel.parallel.context_parallel.plan import _Plan
+from accel.parallel.context_parallel.sharding import _shard
 
 
 def _plan(method: str, rank: int, size: int = 2) -> _Plan:

@@ -34,13 +34,6 @@ ALL_OPTIONS: dict[str, Any] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _fresh_note() -> Iterator[None]:
-    _ddp._IGNORED_SAID.clear()
-    yield
-    _ddp._IGNORED_SAID.clear()
-
-
 @pytest.fixture
 def no_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """No user config file; returns a path a test may write one to (ACCEL_CONFIG_FILE)."""

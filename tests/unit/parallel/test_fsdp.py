@@ -161,10 +161,7 @@ def test_mixed_precision_policy() -> None:
 
 
 # -- one process ---------------------------------------------------------------------------
-def test_one_process_runs_unsharded_with_a_note_once(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(fsdp, "_ONE_PROCESS_SAID", type(fsdp._ONE_PROCESS_SAID)())
+def test_one_process_runs_unsharded_with_a_note_once(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="accel.parallel.fsdp")
     with fake(strategy="fsdp", mixed_precision="bf16"):
         net = Net()

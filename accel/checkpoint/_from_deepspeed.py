@@ -1,8 +1,8 @@
 """``load_state`` of DeepSpeed's own checkpoint directories (``engine.save_checkpoint``).
 
 A directory without accel's manifest that DeepSpeed wrote (its root holding ``latest``, or one
-tag's directory) is read by :mod:`accel.checkpoint.deepspeed_params` into the state one plain
-process's objects hold, and loaded through the path accel's own checkpoints take
+tag's directory) is read by :mod:`accel.checkpoint.foreign.deepspeed_params` into the state one
+plain process's objects hold, and loaded through the path accel's own checkpoints take
 (:func:`~accel.checkpoint.sharded.reshard.resolve`, :func:`~accel.checkpoint._fit.check_fits`,
 :func:`~accel.checkpoint._loading.load_into`), so it resumes one plain process, DDP, FSDP2 or
 DeepSpeed through accel at any world size:
@@ -37,8 +37,8 @@ from accel.checkpoint._agreement import agreed_target
 from accel.checkpoint._fit import check_fits
 from accel.checkpoint._loading import CheckpointInfo, load_into
 from accel.checkpoint._saving import unwrap
-from accel.checkpoint.deepspeed_files import is_deepspeed
-from accel.checkpoint.deepspeed_params import (
+from accel.checkpoint.foreign.deepspeed_files import is_deepspeed
+from accel.checkpoint.foreign.deepspeed_params import (
     DeepSpeedTag,
     optimizer_state,
     read_tag,
@@ -67,6 +67,10 @@ class DeepSpeedCheckpointInfo(CheckpointInfo):
     ``path`` is the tag's directory, ``step`` DeepSpeed's ``global_steps``, ``world_size``
     the number of ranks it was saved by, ``objects`` the names restored; ``not_restored``
     says what was not (as the warning does).
+
+    Example:
+        >>> accel.load_state("ds_ckpt", model=model, optimizer=optimizer).zero_stage
+        2
     """
 
     zero_stage: int = 0

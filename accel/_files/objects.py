@@ -1,7 +1,7 @@
 """One named object of a checkpoint: ``NAME.json`` (structure) + ``NAME.safetensors``.
 
 The JSON file holds the object's ``state_dict()`` with every tensor replaced by a reference
-into the safetensors file (see :mod:`accel.checkpoint.encode`); reading checks each file's
+into the safetensors file (see :mod:`accel._files.encode`); reading checks each file's
 size and CRC32 against the manifest first.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import torch
 
+from accel._files.encode import decode, encode
 from accel._files.format import read_safetensors
 from accel._files.safe_io import (
     MAX_JSON_BYTES,
@@ -27,10 +28,9 @@ from accel._files.safe_io import (
 )
 from accel._files.values import check_recorded, dtype_names
 from accel._files.writer import PlannedFile, plan_bytes, plan_safetensors
-from accel.checkpoint.encode import decode, encode
 from accel.errors import CheckpointError
 
-__all__ = ["Entry", "plan_object", "read_object", "read_structure"]
+__all__ = ["Entry", "plan_object", "read_checked", "read_object", "read_structure"]
 
 
 @attrs.frozen
@@ -123,7 +123,7 @@ def read_structure(path: Path, name: str, files: Mapping[str, Any]) -> dict[str,
         raise CheckpointError(f"The checkpoint at {os.fspath(path)!r} lists no {name}.json.")
     where = os.fspath(path / f"{name}.json")
     body = load_json(
-        _read_checked(path / f"{name}.json", meta),
+        read_checked(path / f"{name}.json", meta),
         lambda problem: CheckpointError(f"{where!r} is corrupted: {problem}."),
     )
     if not isinstance(body, dict) or "state" not in body:
@@ -131,12 +131,17 @@ def read_structure(path: Path, name: str, files: Mapping[str, Any]) -> dict[str,
     return body
 
 
-def _read_checked(file: Path, meta: dict[str, Any], limit: int = MAX_JSON_BYTES) -> bytes:
+def read_checked(file: Path, meta: dict[str, Any], limit: int = MAX_JSON_BYTES) -> bytes:
     """The bytes of a checkpoint's JSON file: its manifest size (at most ``limit``), its CRC32.
 
     Raises:
         CheckpointError: missing, a link or special file, over ``limit``, another size than
             the manifest's, or a CRC32 mismatch.
+
+    Example:
+        >>> files = read_manifest(Path("ckpt"))["files"]
+        >>> read_checked(Path("ckpt/model.json"), files["model.json"])
+        b'{"has_tensors": true, ...'
     """
     if meta["size"] > limit:
         raise CheckpointError(

@@ -1,6 +1,6 @@
 """DeepSpeed's partitioned checkpoint put back together per parameter: weights and optimizer state.
 
-The optimizer states of each rank (read by :mod:`accel.checkpoint.deepspeed_files`) hold
+The optimizer states of each rank (read by :mod:`accel.checkpoint.foreign.deepspeed_files`) hold
 flat 1-D slices; everything per parameter lies in them the same way:
 
 * ZeRO 1/2: per group, the group's trainable parameters (``param_shapes``, in flattening
@@ -31,7 +31,8 @@ from typing import Any
 import attrs
 import torch
 
-from accel.checkpoint.deepspeed_files import (
+from accel._files.objects import Entry
+from accel.checkpoint.foreign.deepspeed_files import (
     MODEL_FILE,
     OPTIM_FILE,
     ModelStates,
@@ -42,7 +43,6 @@ from accel.checkpoint.deepspeed_files import (
     rank_files,
     tag_dir,
 )
-from accel.checkpoint.objects import Entry
 from accel.errors import CheckpointError
 
 __all__ = [

@@ -17,7 +17,7 @@ passed, merged in at the top level. The optimizer states hold each rank's slice 
 master weights (ZeRO 1/2 ``single_partition_of_fp32_groups``, ZeRO-3 ``fp32_flat_groups``) and
 ``base_optimizer_state``: the torch optimizer's state dict over those flat slices (or, with
 ZeRO-1/2's ``elastic_checkpoint``, one state per group without its padding).
-:mod:`accel.checkpoint.deepspeed_params` puts them back together per parameter.
+:mod:`accel.checkpoint.foreign.deepspeed_params` puts them back together per parameter.
 
 Every file is checked as accel's other torch readers check one
 (:func:`accel._files.torch_zip.opened_torch_file`: zip structure, storage sizes, a pickle that

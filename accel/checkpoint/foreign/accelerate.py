@@ -17,6 +17,10 @@ read with ``torch.load(weights_only=True)`` or as safetensors; the ``.pkl`` file
 opened. ``sampler.bin`` holds a pickled ``SeedableRandomSampler`` *object*: it is read with the
 weights-only unpickler, every class it names replaced by an inert stand-in that only records
 its fields (no code of the checkpoint's classes runs), and only its ``epoch`` is used.
+
+This module finds such a directory and reads it into plain states, checking each one with the
+check ``load_state`` passes before the next file is read; ``load_state`` then agrees on it over
+the ranks and puts the states into its objects.
 """
 
 from __future__ import annotations
@@ -24,8 +28,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,24 +38,24 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
+from accel._files.torch_load import load_torch_file
 from accel._files.torch_pickle import InertObject, check_loaded, inert_globals
-from accel._files.torch_zip import is_zip, opened_torch_file
-from accel.checkpoint._agreement import agreed_target
-from accel.checkpoint._fit import check_fits
-from accel.checkpoint._loading import CheckpointInfo, load_into
-from accel.checkpoint._saving import unwrap
-from accel.checkpoint.layout import MANIFEST
-from accel.comm.failures import agree_on_failure
-from accel.comm.gating import get_logger
+from accel._files.torch_zip import opened_torch_file
 from accel.core.scope import scope
 from accel.errors import CheckpointError
 from accel.weights.stream import read_weights
 
-__all__ = ["AccelerateCheckpointInfo", "describe_found", "load_accelerate_state"]
+__all__ = ["AccelerateRead", "Check", "describe_found", "is_accelerate", "read_accelerate"]
 
-_LOG = get_logger(__name__)
+Check = Callable[[str, Any, Any], None]
+"""``check(name, obj, state)``: raises a :class:`CheckpointError` when ``state`` cannot load into
+``obj`` (``load_state`` passes its check of keys, shapes and value types)."""
+
 _SAMPLER_CLASS = "accelerate.data_loader.SeedableRandomSampler"
 _SCALER = "scaler.pt"
+# accel's own checkpoint: its manifest (accel.checkpoint.layout.MANIFEST, named here since
+# this package imports none of accel.checkpoint's modules)
+_ACCEL_MANIFEST = "manifest.json"
 _ACCEL_RANK_FILE = "rng_rank0.json"  # every accel save_state writes it
 _RNG = re.compile(r"^random_states_(\d+)\.pkl$")
 _CUSTOM = re.compile(r"^custom_checkpoint_(\d+)\.pkl$")
@@ -66,25 +69,25 @@ _SHARDED = re.compile(r"^(?:pytorch_model_fsdp(?:_\d+)?|optimizer_\d+|pytorch_mo
 
 
 @attrs.frozen
-class AccelerateCheckpointInfo(CheckpointInfo):
-    """A :class:`CheckpointInfo` for a checkpoint written by Accelerate's ``save_state``.
+class AccelerateRead:
+    """What one rank read and checked of an Accelerate directory, ready to apply.
 
-    ``step`` is ``None`` (Accelerate keeps it in the pickled RNG files) and ``world_size`` is
-    the number of ``random_states_N.pkl`` files (1 when there is none).
+    ``states`` holds each object's state by name and ``scaler`` the GradScaler's (or ``None``);
+    ``used`` names the files read, ``refused`` the pickles never opened (``rng_refused``: RNG
+    states among them), ``unused`` the directory's other entries; ``world_size`` is the number
+    of ``random_states_N.pkl`` files (1 when there is none).
+
+    Example:
+        >>> read_accelerate(Path("acc_ckpt"), {"model": model}, check=check_fits).used
+        ('model.safetensors',)
     """
-
-    files_used: tuple[str, ...] = ()
-    files_refused: tuple[str, ...] = ()
-
-
-@attrs.frozen
-class _Read:
-    """What one rank read and checked, ready to apply."""
 
     states: dict[str, Any]
     scaler: Any
     used: tuple[str, ...]
     refused: tuple[str, ...]
+    unused: tuple[str, ...]
+    rng_refused: bool
     world_size: int
 
 
@@ -95,9 +98,15 @@ def _entries(path: Path) -> list[str]:
         return []
 
 
-def _is_accelerate(path: Path) -> bool:
-    """Whether ``path`` is a directory laid out by Accelerate (and not an accel checkpoint)."""
-    if not path.is_dir() or (path / MANIFEST).exists() or (path / _ACCEL_RANK_FILE).exists():
+def is_accelerate(path: Path) -> bool:
+    """Whether ``path`` is a directory laid out by Accelerate (and not an accel checkpoint).
+
+    Example:
+        >>> is_accelerate(Path("accelerate_ckpt/checkpoint_0"))
+        True
+    """
+    if not path.is_dir() or (path / _ACCEL_MANIFEST).exists() or (
+            path / _ACCEL_RANK_FILE).exists():
         return False  # accel's own (complete or not): load_state's own checks handle it
     return any(_KNOWN.match(name) or _SHARDED.match(name) for name in _entries(path))
 
@@ -144,27 +153,24 @@ def _numbered(stem: str, index: int, suffix: str) -> str:
 
 def _torch_file(path: Path, name: str) -> Any:
     """``torch.load(weights_only=True)`` of one file, errors as :class:`CheckpointError`."""
-    try:
-        with opened_torch_file(path) as (file, own):  # a zip is checked before it is mapped
-            zipped = is_zip(file)
-            loaded = torch.load(own if zipped else file, map_location="cpu",
-                                weights_only=True, mmap=zipped)
-    except CheckpointError:
-        raise
-    except pickle.UnpicklingError as exc:
+
+    def refused(exc: pickle.UnpicklingError) -> CheckpointError:
         flat = " ".join(str(exc).split())
         reason = re.sub(r".*WeightsUnpickler error:\s*", "", flat).split(" Check the doc")[0]
-        raise CheckpointError(
+        return CheckpointError(
             f"{os.fspath(path)!r} (the state of {name}=) was refused: torch.load("
             f"weights_only=True) cannot read it ({reason}). accel never unpickles "
             "checkpoint files; re-save that object's `state_dict()` holding only tensors and "
             "plain values."
-        ) from None
-    except Exception as exc:
-        raise CheckpointError(
+        )
+
+    def corrupted(exc: Exception) -> CheckpointError:
+        return CheckpointError(
             f"{os.fspath(path)!r} (the state of {name}=) is corrupted or unreadable "
             f"({type(exc).__name__}: {exc}). Copy or write the checkpoint again."
-        ) from None
+        )
+
+    loaded = load_torch_file(path, refused=refused, corrupted=corrupted)
     check_loaded(loaded, lambda what: CheckpointError(  # before anything walks it
         f"{os.fspath(path)!r} (the state of {name}=) is refused: it {what}, which no state "
         "dict does. The file is corrupted or was crafted; write it again."
@@ -210,12 +216,14 @@ def _match_model_keys(saved: dict[str, torch.Tensor], module: nn.Module) -> dict
     return result
 
 
-def _read_model(path: Path, name: str, index: int, module: nn.Module) -> tuple[Any, str]:
+def _read_model(
+    path: Path, name: str, index: int, module: nn.Module, check: Check
+) -> tuple[Any, str]:
     for file in (_numbered("model", index, ".safetensors"), _numbered("pytorch_model", index,
                                                                       ".bin")):
         if (path / file).is_file():
             saved = _match_model_keys(read_weights(path / file), module)
-            check_fits(name, module, saved)
+            check(name, module, saved)
             return saved, file
     sharded = [n for n in _entries(path) if _SHARDED.match(n)]
     fix = (f"It holds {sharded}: a sharded FSDP/DeepSpeed save, which accel does not read; "
@@ -300,9 +308,11 @@ def _read_loader(path: Path, name: str, index: int, loader: Any) -> tuple[Any, l
     return position, files
 
 
-def _read_one(path: Path, name: str, kind: str, index: int, obj: Any) -> tuple[Any, list[str]]:
+def _read_one(
+    path: Path, name: str, kind: str, index: int, obj: Any, check: Check
+) -> tuple[Any, list[str]]:
     if kind == "model":
-        saved, file = _read_model(path, name, index, unwrap(obj))
+        saved, file = _read_model(path, name, index, obj, check)
         return saved, [file]
     if kind == "dataloader":
         return _read_loader(path, name, index, obj)
@@ -320,12 +330,26 @@ def _read_one(path: Path, name: str, kind: str, index: int, obj: Any) -> tuple[A
     if not (path / file).is_file():
         raise _missing(path, name, file, _ORDER_FIX)
     saved = _torch_file(path / file, name)
-    check_fits(name, unwrap(obj), saved)
+    check(name, obj, saved)
     return saved, [file]
 
 
-def _read(path: Path, objects: dict[str, Any]) -> _Read:
-    """Read and check every file this rank needs; change nothing."""
+def read_accelerate(path: Path, objects: dict[str, Any], *, check: Check) -> AccelerateRead:
+    """Read and check every file of the Accelerate directory ``path`` this rank needs; change
+    nothing.
+
+    ``objects`` are the live objects by name, in the order of ``load_state``'s keywords,
+    models unwrapped (their keys are matched to the saved ones). Each state is given to
+    ``check`` as soon as it is read, before the next file is.
+
+    Raises:
+        CheckpointError: a requested object has no file or its state lives in a pickle, a file
+            is refused, or ``check`` refused a state.
+
+    Example:
+        >>> read_accelerate(Path("acc_ckpt"), {"model": model}, check=check_fits).states.keys()
+        dict_keys(['model'])
+    """
     counts: dict[str, int] = {}
     states: dict[str, Any] = {}
     used: list[str] = []
@@ -335,7 +359,7 @@ def _read(path: Path, objects: dict[str, Any]) -> _Read:
         index = counts.get(kind, 0)
         counts[kind] = index + 1
         try:
-            states[name], files = _read_one(path, name, kind, index, obj)
+            states[name], files = _read_one(path, name, kind, index, obj, check)
         except CheckpointError as exc:
             if list(kinds.values()).count(kind) < 2 or _ORDER_FIX in str(exc):
                 raise
@@ -348,71 +372,9 @@ def _read(path: Path, objects: dict[str, Any]) -> _Read:
     names = _entries(path)
     refused = tuple(n for n in names if _RNG.match(n) or _CUSTOM.match(n))
     ranks = [int(m.group(1)) for n in names if (m := _RNG.match(n))]
-    return _Read(states, scaler, tuple(used), refused, max(ranks, default=0) + 1)
-
-
-def _target(directory: Path, names: list[str]) -> Path | None:
-    if not names:
-        return directory if _is_accelerate(directory) else None
-    newest = Path(names[0])
-    return newest if _is_accelerate(newest) else None
-
-
-def load_accelerate_state(
-    directory: Path, names: list[str], objects: dict[str, Any]
-) -> CheckpointInfo | None:
-    """Load an Accelerate ``save_state`` directory into ``objects``, or ``None`` if it is none.
-
-    Every rank must call it, with the candidates ``load_state`` agreed on (``names``, newest
-    first; empty when ``directory`` is no accel checkpoint or root). The checkpoint is
-    ``directory`` itself, or the newest ``checkpoint_N`` under it. Every rank reads and checks
-    every file before any object changes, and a failure on one rank is raised on all.
-
-    Raises:
-        CheckpointError: the ranks disagree on the layout, a requested object has no file or
-            its state lives in a pickle, a file is refused, or a state does not fit.
-
-    Example:
-        >>> load_accelerate_state(Path("acc_ckpt"), [], {"model": model})
-        AccelerateCheckpointInfo(path=PosixPath('acc_ckpt'), step=None, ...)
-    """
-    target = agreed_target(directory, _target(directory, names), "Accelerate")  # every rank
-    if target is None:
-        return None
-    with agree_on_failure(lambda errors: CheckpointError(
-        f"load_state({os.fspath(directory)!r}) cannot load the Accelerate checkpoint at "
-        f"{os.fspath(target)!r}: {errors}"
-    )):
-        read = _read(target, objects)
-    with agree_on_failure(lambda errors: CheckpointError(
-        f"load_state({os.fspath(directory)!r}) failed while restoring the Accelerate "
-        f"checkpoint at {os.fspath(target)!r}: {errors}"
-    )):
-        for name, obj in objects.items():
-            load_into(name, obj, read.states[name])
-        scaler = scope().grad_scaler
-        if read.scaler is not None and scaler is not None:
-            scaler.load_state_dict(read.scaler)
-    _report(target, read)
-    return AccelerateCheckpointInfo(
-        path=target, step=None, world_size=read.world_size, objects=tuple(objects),
-        files_used=read.used, files_refused=read.refused,
+    unused = tuple(n for n in names if n not in used and n not in refused)
+    return AccelerateRead(
+        states=states, scaler=scaler, used=tuple(used), refused=refused, unused=unused,
+        rng_refused=any(_RNG.match(n) for n in refused), world_size=max(ranks, default=0) + 1,
     )
 
-
-def _report(target: Path, read: _Read) -> None:
-    unused = [n for n in _entries(target) if n not in read.used and n not in read.refused]
-    _LOG.info(
-        "load_state read the Accelerate checkpoint %r: used %s; not used %s; refused "
-        "(pickles, never opened) %s.", os.fspath(target), list(read.used), unused,
-        list(read.refused),
-    )
-    if read.refused:
-        rng = [n for n in read.refused if _RNG.match(n)]
-        what = "RNG states were not restored" if rng else "nothing was restored from pickles"
-        warnings.warn(
-            f"load_state({os.fspath(target)!r}), an Accelerate checkpoint: {what}; these "
-            f"pickles were not opened: {list(read.refused)} (accel never unpickles: it could "
-            "run code). Call `accel.set_seed(...)` to seed the resumed run.",
-            stacklevel=4,
-        )
