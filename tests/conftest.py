@@ -8,6 +8,7 @@ imported is frozen out of the garbage collector's passes.
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import importlib.util
 import os
@@ -25,7 +26,7 @@ from accel.errors import ConfigError
 from accel.testing import preload
 from accel.trackers import _RUN as _TRACKING_RUN
 
-# every ContextVar accel owns, with the value it holds outside any accel block
+# every ContextVar and ContextSlot accel owns, with the value it holds outside any accel block
 _CONTEXT_VARS = {
     "accel.core.state._STATE (the process state)": (_state._STATE, None),
     "accel.core.scope._SCOPE (the distributed() scope record)": (_scope._SCOPE, None),
@@ -105,7 +106,8 @@ def _no_leaks() -> Iterator[None]:
     yield
     _scope.reset_detached_scope()  # what set_trigger() etc. did outside any block
     for name, (var, outside) in _CONTEXT_VARS.items():
-        assert var.get(None) is outside, f"a test left {name} set (ContextVar leak)"
+        value = var.get(None) if isinstance(var, contextvars.ContextVar) else var.get()
+        assert value is outside, f"a test left {name} set (ContextVar leak)"
     assert not (dist.is_available() and dist.is_initialized()), (
         "a test left a torch.distributed process group initialised"
     )

@@ -17,15 +17,14 @@ With ``include_buffers=False`` buffers keep their real values on the CPU (positi
 masks, running statistics), as in Accelerate; only a buffer made directly from one of the
 large random/empty factories above ends on the device with the parameters.
 
-The settings live in a ``ContextVar`` and the factory redirection is a ``TorchFunctionMode``
-(per thread), so a block affects only the thread that entered it; the registration patch on
+The settings live in a ``ContextSlot`` (``accel.core.scope``) and the factory redirection is
+a ``TorchFunctionMode`` (per thread), so a block affects only the thread that entered it; the registration patch on
 ``nn.Module`` is installed while at least one block is open in any thread and removed when the
 last one closes.
 """
 
 from __future__ import annotations
 
-import contextvars
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from accel.core.scope import ContextSlot
 from accel.errors import DeviceMapError
 
 __all__ = ["init_empty_weights", "init_on_device"]
@@ -53,9 +53,7 @@ class _Settings:
     include_buffers: bool
 
 
-_CURRENT: contextvars.ContextVar[_Settings | None] = contextvars.ContextVar(
-    "accel_init_on_device", default=None
-)
+_CURRENT: ContextSlot[_Settings] = ContextSlot("accel.big_model init_on_device")
 _lock = threading.Lock()
 _active = 0  # blocks open in all threads; the nn.Module patch is installed while > 0
 _originals: dict[str, Callable[..., None]] = {}
@@ -215,12 +213,12 @@ def init_on_device(
             "'cpu', 'cuda:0', a GPU index or a torch.device."
         ) from None
     _install()
-    token = _CURRENT.set(_Settings(target, include_buffers))
+    previous = _CURRENT.set(_Settings(target, include_buffers))
     try:
         with _FactoryDevice():
             yield
     finally:
-        _CURRENT.reset(token)
+        _CURRENT.set(previous)
         _uninstall()
 
 

@@ -1,22 +1,28 @@
-"""The block's mutable record: :class:`Scope`, in its own ContextVar beside the frozen state.
+r"""The block's mutable record: :class:`Scope`, in its own ContextVar beside the frozen state.
 
 The outermost ``distributed()`` block makes one and its nested blocks share it; outside any
 block one detached record serves the process. It holds what changes while the run goes on
 (the sync flag, loaders being iterated, prepared optimizers, accumulation counts per model),
 each module's private values in typed slots (:class:`ScopeSlot`), and the block's exit steps
 (:func:`at_block_exit`), which ``distributed()`` runs when the block ends.
+
+Values that belong to a context rather than to a block (a tracking run, which is active with
+or without a ``distributed()`` block and per thread) live in :class:`ContextSlot`\ s, all held
+in one ContextVar of this module: no feature keeps a ContextVar of its own.
 """
 
 from __future__ import annotations
 
 import contextvars
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 import attrs
 
 __all__ = [
+    "ContextSlot",
     "ObjectCounts",
     "Scope",
     "ScopeSlot",
@@ -169,6 +175,49 @@ class ScopeSlot(Generic[T]):
 
 
 _SCOPE: contextvars.ContextVar[Scope] = contextvars.ContextVar("accel_scope")
+
+_CONTEXT: contextvars.ContextVar[Mapping[ContextSlot[Any], Any]] = contextvars.ContextVar(
+    "accel_context_slots", default=MappingProxyType({})
+)
+
+
+class ContextSlot(Generic[T]):
+    """A per-context value private to the module that creates the slot (typed, no string keys).
+
+    Seen in the context that set it and in those copied from it (threads started with
+    ``contextvars.copy_context()``, asyncio tasks), in and out of ``distributed()`` blocks;
+    another thread's context does not see it. :meth:`set` returns the value it replaces, which
+    the caller puts back with :meth:`set` when its block ends (each slot restores only its own
+    value, whatever other slots did meanwhile).
+
+    Example:
+        >>> _RUN: ContextSlot[TrackingRun] = ContextSlot("accel.trackers run")
+        >>> previous = _RUN.set(run)
+        >>> try:
+        ...     ...
+        ... finally:
+        ...     _RUN.set(previous)
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"ContextSlot({self.name!r})"
+
+    def get(self) -> T | None:
+        """The value in the current context, or ``None``."""
+        found: T | None = _CONTEXT.get().get(self)
+        return found
+
+    def set(self, value: T | None) -> T | None:
+        """Make ``value`` this slot's value in the current context; return the one before."""
+        current = _CONTEXT.get()
+        previous: T | None = current.get(self)
+        _CONTEXT.set({**current, self: value})  # a new mapping: copied contexts keep theirs
+        return previous
 
 
 def enter_scope(record: Scope) -> contextvars.Token[Scope]:

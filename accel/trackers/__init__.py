@@ -2,7 +2,7 @@
 
 Trackers run on the main process only: other ranks enter the same block, their ``log`` calls
 return at once, and no duplicate runs are created. Every tracker is finished and flushed when
-the block ends, also when it raises. The active run is per context (a ContextVar), so nested
+the block ends, also when it raises. The active run is per context (a `ContextSlot`), so nested
 or concurrent ``tracking()`` blocks in different threads/tasks do not mix.
 
 Built-in trackers (``log_with`` names): ``"jsonl"`` (no dependency), ``"tensorboard"``,
@@ -14,7 +14,6 @@ run never writes outside ``project_dir``.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import importlib
 import importlib.util
@@ -29,6 +28,7 @@ from typing import Any
 
 import attrs
 
+from accel.core.scope import ContextSlot
 from accel.core.state import state
 from accel.errors import (
     ConfigError,
@@ -85,9 +85,7 @@ class TrackingRun:
         return bool(self.trackers)
 
 
-_RUN: contextvars.ContextVar[TrackingRun | None] = contextvars.ContextVar(
-    "accel_tracking_run", default=None
-)
+_RUN: ContextSlot[TrackingRun] = ContextSlot("accel.trackers run")
 
 
 def _is_tracker(obj: object) -> bool:
@@ -380,14 +378,14 @@ def tracking(
         )
     else:
         run = TrackingRun(name=run_name, directory=None, tracker_names=names, trackers={})
-    token = _RUN.set(run)
+    previous = _RUN.set(run)
     try:
         yield run
     except BaseException as exc:
-        _RUN.reset(token)
+        _RUN.set(previous)
         _finish(list(run.trackers.values()), exc)
         raise
-    _RUN.reset(token)
+    _RUN.set(previous)
     _finish(list(run.trackers.values()), None)
 
 

@@ -30,15 +30,31 @@ def test_every_accel_context_var_is_checked_by_the_leak_guard() -> None:
     found = []
     for path in ACCEL.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("ContextVar"):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(
+                ("ContextVar", "ContextSlot")
+            ):
                 found.append((path.relative_to(ACCEL).as_posix(), node.lineno))
-    assert len(found) == len(guarded), (
-        f"ContextVars defined in accel {found} vs {len(guarded)} checked in tests/conftest.py: "
-        "add the new one to _CONTEXT_VARS"
+    # the ContextVar holding every ContextSlot is checked slot by slot
+    assert len(found) - 1 == len(guarded), (
+        f"ContextVars and ContextSlots defined in accel {found} vs {len(guarded)} checked in "
+        "tests/conftest.py: add the new one to _CONTEXT_VARS"
     )
     for var, outside in _CONTEXT_VARS.values():
-        assert isinstance(var, contextvars.ContextVar)
+        assert isinstance(var, contextvars.ContextVar | _scope.ContextSlot)
         assert outside is None
+
+
+def test_a_context_slot_is_per_context_and_restores_only_its_own_value() -> None:
+    first: _scope.ContextSlot[str] = _scope.ContextSlot("test first")
+    second: _scope.ContextSlot[str] = _scope.ContextSlot("test second")
+    before_first = first.set("a")
+    before_second = second.set("b")
+    seen_elsewhere = contextvars.Context().run(first.get)  # a fresh context sees nothing
+    copied = contextvars.copy_context().run(lambda: (first.get(), second.get()))
+    first.set(before_first)  # out of order: the other slot keeps its value
+    assert (seen_elsewhere, copied, first.get(), second.get()) == (None, ("a", "b"), None, "b")
+    second.set(before_second)
+    assert second.get() is None
 
 
 def test_trigger_outside_a_block_leaves_no_scope_in_the_context() -> None:
