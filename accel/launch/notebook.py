@@ -30,6 +30,7 @@ from accel.core.settings import (
 )
 from accel.errors import ConfigError, LaunchError
 from accel.launch.failures import describe_failure, is_peer_loss
+from accel.launch.parent_death import die_with_parent
 
 __all__ = ["debug_launcher", "notebook_launcher"]
 
@@ -62,6 +63,7 @@ def _run_in_worker(
     and a peer that died without a report (``os._exit``, a SIGKILL) is the one to record.
     The launcher stops the lingering worker as soon as it sees that failure.
     """
+    die_with_parent()  # a notebook (or script) killed outright takes its workers with it
     os.environ.update(env)  # the worker's own environment, read by accel.distributed()
     attempt = _attempt()
     rank = read_variable("RANK") or "0"

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
+from accel.launch.parent_death import die_with_parent
+
 __all__ = ["main", "user_frames"]
 
 
@@ -59,9 +61,11 @@ def _record(error: BaseException, text: str) -> None:
     path = read_variable("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    # the exception's text as the traceback ends with it: every line, notes included
+    message = "".join(traceback.format_exception_only(type(error), error)).rstrip("\n")
     data = {
         "message": {
-            "message": f"{type(error).__name__}: {error}",
+            "message": message,
             # torch reads whole seconds; accel_time orders failures within the same second
             "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time())),
                           "accel_time": repr(time.time())},
@@ -85,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         >>> script_globals = main(["train.py", "--epochs", "1"])  # in a launched worker
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if argv is None:  # a launched worker: it ends with its launcher, before any user code
+        die_with_parent()
     if not args or args[0] in ("-h", "--help"):
         print("usage: python -m accel.cli.worker (script.py | -m module) [args ...]")
         raise SystemExit(0 if args else 2)
