@@ -432,16 +432,19 @@ def run_plan(plan: LaunchPlan, what: str) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from accel.launch.graceful import recording_worker_exits, stop_outcome, supported_stop_args
+    from accel.launch.oom import oom_evidence, read_oom_kills
 
     args, grace, note = supported_stop_args(plan.torchrun_args)
     sys.stderr.write(note)
     exits: dict[int, int | None] = {}
+    oom_kills = read_oom_kills()  # a SIGKILL is called out of memory only if these rise
     try:
         parsed = torchrun.parse_args(args)  # type: ignore[no-untyped-call]
         with recording_worker_exits() as exits:
             torchrun.run(parsed)  # type: ignore[no-untyped-call]
     except ChildFailedError as error:
-        text, code = describe_failure(error, what)
+        oom = oom_evidence(oom_kills, read_oom_kills())
+        text, code = describe_failure(error, what, oom=oom)
         sys.stdout.flush()
         sys.stderr.write(text)
         sys.stderr.flush()
