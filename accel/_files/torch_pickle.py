@@ -11,6 +11,14 @@ calls would build more than a few times its own size is refused, and so are call
 convert tensors (``_rebuild_device_tensor_from_cpu_tensor``) or call other callables
 (``_rebuild_from_type_v2`` of anything but a tensor rebuild). ``torch.save`` writes none of this.
 
+Each tensor the pickle rebuilds is charged its full logical size (the element count its size
+asks for times its dtype's element size, whatever its strides and storage offset), against a
+budget of its own (by default the same as the calls'; a zip's checker gives the file's whole
+size): a view that repeats stored values (``torch.zeros(1).expand(2**30)``, 4 GiB from one
+stored value) costs what copying, cloning or writing it out would allocate, and is refused
+before anything is built. ``torch.save`` writes each view's storage whole, so honest files
+stay far below it (tied names that are two views of one storage count twice).
+
 :func:`check_legacy` applies it to a torch file older than the zip format (its five leading
 pickles, read through a reader that never asks for more bytes than the file holds), and
 :func:`check_loaded` bounds what a loaded state may look like before accel walks it (no cycle,
@@ -33,8 +41,8 @@ import torch
 from accel.errors import CheckpointError
 
 __all__ = [
-    "MAX_LOADED_NODES", "InertObject", "Inspector", "check_legacy", "check_loaded", "inert_globals",
-    "inspect",
+    "MAX_LOADED_NODES", "InertObject", "Inspector", "budget_for", "check_legacy", "check_loaded",
+    "inert_globals", "inspect",
 ]
 
 _MAX_GLOBALS = 4096  # distinct globals a pickle may name (torch's use a handful)
@@ -42,6 +50,7 @@ _MAX_NUMEL = 1 << 62
 _SLACK = 1 << 20  # what any pickle may build beyond 8x its own size
 _LINE = 1 << 16  # longest line read for a text opcode (torch's pickles have none this long)
 _DEPTH = 128  # as accel's JSON bound
+_ANY_ITEMSIZE = 1  # a tensor rebuild whose dtype is not torch's: at least a byte a value
 #: How many containers and values a loaded state may hold, counting every repeat of a shared one.
 MAX_LOADED_NODES = 10_000_000
 _TEXT_CODECS = frozenset({"iso8859-1", "ascii", "utf-8"})  # what pickle's bytes use
@@ -103,6 +112,7 @@ class _StandIn:
     inspector: Inspector | None = None
     weight = 0
     shape: Any = None
+    itemsize = 0  # a storage's element size (persistent_load's stand-ins)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _StandIn:
         instance = super().__new__(cls)
@@ -177,6 +187,28 @@ def _weight(value: Any) -> int:
     return 0
 
 
+def _itemsize(dtype: Any) -> int:
+    """The element size of a dtype named in a pickle (``torch.float32``'s stand-in class)."""
+    where = getattr(dtype, "where", None) if isinstance(dtype, type) else None
+    if isinstance(where, tuple) and where[0] == "torch":
+        found = getattr(torch, where[1], None)
+        if isinstance(found, torch.dtype):
+            return max(found.itemsize, _ANY_ITEMSIZE)
+    return _ANY_ITEMSIZE
+
+
+def _tensor_itemsize(where: tuple[str, str], args: tuple[Any, ...]) -> int:
+    """The element size of the tensor a rebuild ``where(*args)`` makes: its storage's (typed
+    storages, as ``_rebuild_tensor_v2`` takes), else its dtype argument's."""
+    dtype_at = {"_rebuild_tensor_v3": 6, "_rebuild_meta_tensor_no_storage": 0,
+                "_rebuild_wrapper_subclass": 1}.get(where[1])
+    if dtype_at is not None:
+        return _itemsize(args[dtype_at] if len(args) > dtype_at else None)
+    storage = args[0] if args else None
+    return max(storage.itemsize, _ANY_ITEMSIZE) if isinstance(storage, _StandIn) else (
+        _ANY_ITEMSIZE)
+
+
 def _numel(shape: Any) -> int:
     """The element count a shape argument asks for (0 when it is no shape)."""
     if isinstance(shape, _StandIn):  # torch.Size(...): its weight is its length, not a count
@@ -190,18 +222,25 @@ def _numel(shape: Any) -> int:
 
 class Inspector(pickle.Unpickler):
     """Reads one torch pickle for the storages it declares (``key -> bytes``), refusing what
-    would allocate more than ``budget`` (elements copied or bytes allocated by its calls).
+    would allocate more than ``budget`` (elements copied or bytes allocated by its calls), or
+    tensors of more than ``tensor_budget`` bytes in full logical size (default: ``budget``).
 
-    ``refuse(what)`` makes the error raised for a refused pickle.
+    ``refuse(what)`` makes the error raised for a refused pickle; ``oversized(what)`` the one
+    for tensors over their budget (default: ``refuse``).
     """
 
     def __init__(
-        self, file: IO[bytes], refuse: Callable[[str], CheckpointError], budget: int
+        self, file: IO[bytes], refuse: Callable[[str], CheckpointError], budget: int,
+        *, tensor_budget: int | None = None,
+        oversized: Callable[[str], CheckpointError] | None = None,
     ) -> None:
         super().__init__(file, encoding="utf-8")
         self.refuse = refuse
+        self.oversized = refuse if oversized is None else oversized
         self.budget = budget
         self.spent = 0
+        self.tensor_budget = budget if tensor_budget is None else tensor_budget
+        self.tensor_bytes = 0  # the logical size of every tensor rebuilt so far
         self.globals: dict[tuple[str, str], type[_StandIn]] = {}
         self.storages: dict[str, int] = {}
 
@@ -237,7 +276,9 @@ class Inspector(pickle.Unpickler):
         """``(weight of the result, cost of the call)``."""
         if where in _TENSORS:
             index = _TENSORS[where]
-            return _numel(args[index] if len(args) > index else None), 0
+            numel = _numel(args[index] if len(args) > index else None)
+            self._charge_tensor(where, numel * _tensor_itemsize(where, args))
+            return numel, 0
         if where in _PASS_THROUGH:
             return (_weight(args[0]) if args else 0), 0
         if where == ("torch._tensor", "_rebuild_from_type_v2"):
@@ -272,6 +313,17 @@ class Inspector(pickle.Unpickler):
             return cost, cost
         return sum(_weight(a) for a in args), 0
 
+    def _charge_tensor(self, where: tuple[str, str], nbytes: int) -> None:
+        """Charge one rebuilt tensor its full logical size; refuse past the tensor budget."""
+        self.tensor_bytes += nbytes
+        if self.tensor_bytes > self.tensor_budget:
+            raise self.oversized(
+                f"would make {self.tensor_bytes} bytes of tensors in full logical size "
+                f"(element count times element size; {where[0]}.{where[1]} of {nbytes} bytes "
+                f"brings it there), more than the {self.tensor_budget} bytes accel reads from "
+                "this file"
+            )
+
     def persistent_load(self, pid: Any) -> Any:
         # zip: ('storage', type, key, location, numel); legacy: ..., numel, view metadata
         if not isinstance(pid, tuple) or len(pid) not in (5, 6) or _text(pid[0]) != "storage":
@@ -288,7 +340,9 @@ class Inspector(pickle.Unpickler):
             raise self.refuse(
                 f"declares storage {key!r} as both {self.storages[key]} and {nbytes} bytes"
             )
-        return _StandIn()
+        storage = _StandIn()
+        storage.itemsize = itemsize
+        return storage
 
 
 def _text(value: object) -> str | None:
@@ -300,16 +354,42 @@ def _text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def budget_for(size: int) -> int:
+    """What a pickle (or the tensors of a file) of ``size`` bytes may build: 8 times its size
+    plus 1 MiB.
+
+    Example:
+        >>> budget_for(0)
+        1048576
+    """
+    return 8 * size + _SLACK
+
+
 def inspect(
-    file: IO[bytes], size: int, refuse: Callable[[str], CheckpointError]
+    file: IO[bytes], size: int, refuse: Callable[[str], CheckpointError],
+    *, tensor_budget: int | None = None,
+    oversized: Callable[[str], CheckpointError] | None = None,
 ) -> Inspector:
     """Read one pickle from ``file`` (of ``size`` bytes at most) with an :class:`Inspector`.
 
+    Args:
+        file: the pickle's bytes, read from their start.
+        size: how many bytes it has at most: its calls may build :func:`budget_for` it.
+        refuse: the error for a pickle that cannot be read or would build too much.
+        tensor_budget: the most bytes its tensors may have in full logical size (default: what
+            its calls may build).
+        oversized: the error for tensors over ``tensor_budget`` (default: ``refuse``).
+
     Raises:
         CheckpointError: ``refuse(...)`` for a pickle that cannot be read or would build too
-            much.
+            much, ``oversized(...)`` for tensors over their budget.
+
+    Example:
+        >>> inspect(io.BytesIO(data), len(data), refuse).storages
+        {'0': 16}
     """
-    inspector = Inspector(file, refuse, 8 * size + _SLACK)
+    inspector = Inspector(file, refuse, budget_for(size), tensor_budget=tensor_budget,
+                          oversized=oversized)
     try:
         inspector.load()
     except CheckpointError:
@@ -361,7 +441,10 @@ class _Bounded(io.RawIOBase):
         return line
 
 
-def check_legacy(file: IO[bytes], where: str, refuse: Callable[[str], CheckpointError]) -> None:
+def check_legacy(
+    file: IO[bytes], where: str, refuse: Callable[[str], CheckpointError],
+    oversized: Callable[[str], CheckpointError] | None = None,
+) -> None:
     """Check a torch file older than the zip format (or a bare pickle) before torch reads it.
 
     Such a file is five pickles (magic number, protocol, system info, the object, the storage
@@ -371,7 +454,9 @@ def check_legacy(file: IO[bytes], where: str, refuse: Callable[[str], Checkpoint
 
     Raises:
         CheckpointError: ``refuse(...)``: a pickle that cannot be read, would build far more
-            than the file holds, or declares more storage than the file has.
+            than the file holds, or declares more storage than the file has;
+            ``oversized(...)`` (default ``refuse``): tensors of more than
+            :func:`budget_for` the file's size in full logical size.
     """
     del where
     fd = file.fileno()
@@ -383,7 +468,8 @@ def check_legacy(file: IO[bytes], where: str, refuse: Callable[[str], Checkpoint
     for _ in range(5):
         if reader.position >= size:
             return  # torch says what is missing
-        found.update(inspect(reader, size, refuse).storages)  # type: ignore[arg-type]
+        found.update(inspect(reader, size, refuse,  # type: ignore[arg-type]
+                             oversized=oversized).storages)
     declared = sum(found.values())
     if declared > size - reader.position:
         raise refuse(

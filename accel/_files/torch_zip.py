@@ -21,11 +21,15 @@ mapped. It reads only the zip's central directory, each member's local header an
 The pickle is read by an unpickler that builds nothing (:mod:`accel._files.torch_pickle`):
 every global it names becomes an inert stand-in, storages are only recorded, and calls that
 would build far more than the file holds (``bytearray(2**34)``, nested ``_codecs.encode``) are
-refused, so no code of the file runs here and torch's own reading stays bounded.
+refused, so no code of the file runs here and torch's own reading stays bounded. Its tensors
+are charged their full logical size (element count times element size, whatever their strides:
+a stride-0 view of one stored value counts every value it shows) against the budget of the
+whole file (8 times its size plus 1 MiB), so a few KB of ``expand``-ed views cannot make a load,
+a copy or a merge allocate gigabytes.
 :func:`opened_torch_file` opens a file once (regular files only, without blocking on a
-FIFO), checks it (a zip as above; a file in torch's format before zip, or a bare pickle, by
-its pickles), and hands torch a path to that same open file, so what was checked is what
-torch reads.
+FIFO; with ``follow_links=False`` never through a symbolic link), checks it (a zip as above; a
+file in torch's format before zip, or a bare pickle, by its pickles), and hands torch a path
+to that same open file, so what was checked is what torch reads.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from pathlib import Path
 from typing import IO
 
 from accel._files.safe_io import open_regular
-from accel._files.torch_pickle import check_legacy, inspect
+from accel._files.torch_pickle import budget_for, check_legacy, inspect
 from accel.errors import CheckpointError
 
 __all__ = ["MAX_MEMBERS", "check_torch_zip", "is_zip", "opened_torch_file"]
@@ -127,6 +131,17 @@ def _refuse_pickle(where: str, part: str, what: str) -> CheckpointError:
     return _refuse(where, f"{part} {what}")
 
 
+def _oversized(where: str, part: str, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{where!r} is not a torch file accel reads: {part} {what}. accel charges each "
+        "tensor of a torch file its full logical size, up to 8 times the bytes the file "
+        "holds plus 1 MiB, as it bounds every call of its pickle: views that repeat stored "
+        "values (`expand`, stride 0) would be materialized by a load, a copy or a merge. "
+        "Save the tensors themselves (`tensor.contiguous()` or `.clone()` before torch.save), "
+        "or with accel.save."
+    )
+
+
 def _member_count(file: IO[bytes]) -> int | None:
     """How many members the zip's end record lists, found as :mod:`zipfile` finds it (the
     record ending the file, else the last one in the final 64 KiB; its zip64 twin just before
@@ -159,9 +174,11 @@ def check_torch_zip(file: IO[bytes], where: str) -> None:
         CheckpointError: not a zip torch can read, more than :data:`MAX_MEMBERS` members,
             a member compressed, encrypted, out of the file, overlapping another or
             disagreeing with its local header, a storage missing or not of the size
-            ``data.pkl`` declares (names the member).
+            ``data.pkl`` declares (names the member), tensors of more than 8 times the file's
+            size (plus 1 MiB) in full logical size (stride-0 views).
     """
     count = _member_count(file)
+    size = file.seek(0, os.SEEK_END)
     if count is not None and count > MAX_MEMBERS:
         raise _refuse(
             where, f"its zip directory lists {count} members, more than the {MAX_MEMBERS} "
@@ -199,7 +216,8 @@ def check_torch_zip(file: IO[bytes], where: str) -> None:
         raise _refuse(where, f"it has no member {archive_dir + '/data.pkl'!r}")
     data = _read_at(file, pickled[0], pickled[1] - pickled[0])
     refuse = functools.partial(_refuse_pickle, where, "its data.pkl")
-    inspector = inspect(io.BytesIO(data), len(data), refuse)
+    inspector = inspect(io.BytesIO(data), len(data), refuse, tensor_budget=budget_for(size),
+                        oversized=functools.partial(_oversized, where, "its data.pkl"))
     for key, nbytes in inspector.storages.items():
         name = f"{archive_dir}/data/{key}"
         found = members.get(name.lower())
@@ -213,21 +231,26 @@ def check_torch_zip(file: IO[bytes], where: str) -> None:
 
 
 @contextlib.contextmanager
-def opened_torch_file(path: Path, where: str | None = None) -> Iterator[tuple[IO[bytes], Path]]:
+def opened_torch_file(
+    path: Path, where: str | None = None, *, follow_links: bool = True
+) -> Iterator[tuple[IO[bytes], Path]]:
     """Open ``path`` once, check it (:func:`check_torch_zip`, or its pickles when it is not
     a zip), and give the open file and a path to *that* file for ``torch.load``
     (``/proc/self/fd/N`` on Linux, so a file swapped in after the check is not what torch
     reads; else ``path``).
 
     The file is opened without blocking (a FIFO is refused, not waited on) and must be a
-    regular file. The file's position is at its start when given.
+    regular file; with ``follow_links=False`` a symbolic link is refused (inside a checkpoint
+    whose format has none: DeepSpeed's directories). The file's position is at its start when
+    given.
 
     Raises:
-        CheckpointError: the file is not a regular file, or the zip or pickle check fails.
+        CheckpointError: the file is not a regular file (or is a link, with
+            ``follow_links=False``), or the zip or pickle check fails.
         OSError: the file cannot be opened (the caller says which file was wanted).
     """
     where = os.fspath(path) if where is None else where
-    fd = open_regular(path, follow_links=True)  # a FIFO or a device is refused, not read
+    fd = open_regular(path, follow_links=follow_links)  # a FIFO or a device: refused, not read
     try:
         os.set_blocking(fd, True)
         file = os.fdopen(fd, "rb")
@@ -238,7 +261,8 @@ def opened_torch_file(path: Path, where: str | None = None) -> Iterator[tuple[IO
         if is_zip(file):
             check_torch_zip(file, where)
         else:  # torch's format before zip, or a bare pickle: its pickles are checked alike
-            check_legacy(file, where, functools.partial(_refuse_pickle, where, "its pickle"))
+            check_legacy(file, where, functools.partial(_refuse_pickle, where, "its pickle"),
+                         functools.partial(_oversized, where, "its pickle"))
         file.seek(0)
         own = Path(f"/proc/self/fd/{file.fileno()}")
         yield file, own if own.exists() else path

@@ -2,7 +2,9 @@
 
 The directory is read by :mod:`accel.checkpoint.foreign.deepspeed_params` (which ``accel
 merge-weights`` and ``accel.load_state`` use too), running no pickle: see
-:mod:`accel.checkpoint.foreign.deepspeed_files`.
+:mod:`accel.checkpoint.foreign.deepspeed_files`. As there, no link inside is followed: every
+entry of the tag that is a symbolic link is a problem (named with its target), and so is a
+file whose tensors are larger in logical size than the file allows (stride-0 views).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from accel._files.safe_io import refuse_link
 from accel._files.torch_zip import opened_torch_file
 from accel.checkpoint.foreign.deepspeed_files import tag_dir
 from accel.checkpoint.foreign.deepspeed_params import read_tag
@@ -21,7 +24,12 @@ __all__ = ["describe_deepspeed"]
 
 
 def describe_deepspeed(path: Path, tensors: bool) -> dict[str, Any]:
-    """The report ``accel checkpoint inspect`` prints for a DeepSpeed checkpoint directory."""
+    """The report ``accel checkpoint inspect`` prints for a DeepSpeed checkpoint directory.
+
+    Example:
+        >>> describe_deepspeed(Path("ds_ckpt"), tensors=False)["problems"]
+        []
+    """
     problems: list[str] = []
     try:
         tag = tag_dir(path, None)
@@ -33,15 +41,16 @@ def describe_deepspeed(path: Path, tensors: bool) -> dict[str, Any]:
         file = tag / name
         status = "ok (structure; DeepSpeed writes no checksums)"
         try:
+            refuse_link(file)  # a link is never followed, whatever its name
             if file.is_dir() or not name.endswith(".pt"):
                 status = "not read"
             else:
-                with opened_torch_file(file):
+                with opened_torch_file(file, follow_links=False):
                     pass
         except (OSError, CheckpointError) as exc:
             status = f"invalid: {exc}"
             problems.append(f"{name}: {exc}")
-        size = file.stat().st_size if file.is_file() else None
+        size = file.stat().st_size if file.is_file() and not file.is_symlink() else None
         files.append({"name": name, "size": size, "status": status})
     report: dict[str, Any] = {
         "path": os.fspath(path), "format": "deepspeed", "tag": tag.name, "zero_stage": None,

@@ -19,10 +19,14 @@ master weights (ZeRO 1/2 ``single_partition_of_fp32_groups``, ZeRO-3 ``fp32_flat
 ZeRO-1/2's ``elastic_checkpoint``, one state per group without its padding).
 :mod:`accel.checkpoint.foreign.deepspeed_params` puts them back together per parameter.
 
-Every file is checked as accel's other torch readers check one
+The directory is read with the rules of accel's own checkpoints: no symbolic link is followed
+anywhere inside it (the ``latest`` file, the tag's directory, every shard file: each is refused
+with a :class:`~accel.errors.CheckpointError` naming the link and its target), and only regular
+files are opened. Every file is checked as accel's other torch readers check one
 (:func:`accel._files.torch_zip.opened_torch_file`: zip structure, storage sizes, a pickle that
-builds no more than the file holds). DeepSpeed's pickles name classes that
-``torch.load(weights_only=True)`` refuses (``LossScaler``, ``ZeroStageEnum``,
+builds no more than the file holds, each tensor charged its full logical size, so stride-0
+views cannot make a load or a merge allocate gigabytes from a few KB). DeepSpeed's pickles
+name classes that ``torch.load(weights_only=True)`` refuses (``LossScaler``, ``ZeroStageEnum``,
 ``fragment_address``, ``argparse.Namespace``): each one the file names is allowed under that
 name as an inert stand-in that only records its arguments, so no code of the checkpoint runs;
 a file naming any other global (``os.system``, ``builtins.eval``...) is refused before it is
@@ -41,7 +45,7 @@ from typing import Any
 import attrs
 import torch
 
-from accel._files.safe_io import read_bounded
+from accel._files.safe_io import read_bounded, refuse_link
 from accel._files.torch_pickle import InertObject, check_loaded, inert_globals
 from accel._files.torch_zip import is_zip, opened_torch_file
 from accel.errors import CheckpointError
@@ -75,12 +79,23 @@ def _owns_model_states(path: Path) -> bool:
         return False
 
 
+def _has_latest(path: Path) -> bool:
+    """Whether ``path`` holds a ``latest`` file (or a link there, which reading refuses)."""
+    latest = path / LATEST
+    return latest.is_symlink() or latest.is_file()
+
+
 def is_deepspeed(path: Path) -> bool:
     """Whether ``path`` is a directory written by DeepSpeed's ``save_checkpoint``: its root
-    (holding ``latest``) or one tag's directory (holding ``*model_states.pt``)."""
+    (holding ``latest``) or one tag's directory (holding ``*model_states.pt``).
+
+    Example:
+        >>> is_deepspeed(Path("ds_ckpt"))
+        True
+    """
     if not path.is_dir():
         return False
-    return (path / LATEST).is_file() or _owns_model_states(path)
+    return _has_latest(path) or _owns_model_states(path)
 
 
 def bad(where: Path | str, what: str) -> CheckpointError:
@@ -96,16 +111,18 @@ def tag_dir(path: Path, wanted: str | None) -> Path:
     ``wanted`` or the one ``latest`` names.
 
     Raises:
-        CheckpointError: no such tag, or ``latest`` unreadable or not naming a directory.
+        CheckpointError: no such tag, ``latest`` unreadable or not naming a directory, or
+            ``latest`` or the tag a symbolic link (never followed: named with its target).
     """
-    if _owns_model_states(path) and not (path / LATEST).is_file():
+    if _owns_model_states(path) and not _has_latest(path):
         if wanted not in (None, path.name):
             raise CheckpointError(
                 f"{os.fspath(path)!r} is one DeepSpeed tag ({path.name!r}); --object "
                 f"{wanted!r} names another. Give the directory holding it instead."
             )
         return path
-    tags = sorted(n for n in os.listdir(path) if _owns_model_states(path / n))
+    tags = sorted(n for n in os.listdir(path)
+                  if not (path / n).is_symlink() and _owns_model_states(path / n))
     if wanted is None:
         try:
             raw = read_bounded(path / LATEST, 4096, follow_links=False)
@@ -116,7 +133,8 @@ def tag_dir(path: Path, wanted: str | None) -> Path:
             or wanted in (".", "..") or "\0" in wanted):
         raise bad(path, f"the tag {wanted!r:.80} is not a directory name")
     target = path / wanted
-    if target.is_symlink() or not target.is_dir() or not _owns_model_states(target):
+    refuse_link(target)
+    if not target.is_dir() or not _owns_model_states(target):
         raise CheckpointError(
             f"The DeepSpeed checkpoint {os.fspath(path)!r} has no tag {wanted!r} holding model "
             f"states (its tags: {tags}). Pick one with --object TAG, or give the tag's "
@@ -133,12 +151,14 @@ def load_file(file_path: Path) -> Any:
     """One DeepSpeed file, loaded weights-only with its DeepSpeed classes as inert stand-ins.
 
     Raises:
-        CheckpointError: not a torch zip file, a refused global, corrupted.
+        CheckpointError: a symbolic link or not a regular file, not a torch zip file, tensors
+            larger in logical size than the file allows, a refused global, corrupted.
         OSError: the file cannot be read.
     """
     where = os.fspath(file_path)
     try:
-        with opened_torch_file(file_path) as (file, own):  # zip and pickle checked first
+        # no link followed; zip and pickle checked (each tensor's logical size) first
+        with opened_torch_file(file_path, follow_links=False) as (file, own):
             if not is_zip(file):
                 raise bad(where, "it is not in torch's zip format, which DeepSpeed writes")
             names = torch.serialization.get_unsafe_globals_in_checkpoint(file)
@@ -336,7 +356,8 @@ def rank_files(tag: Path, pattern: re.Pattern[str]) -> dict[int, Path]:
     """The files of ``tag`` matching ``pattern``, by data-parallel rank.
 
     Raises:
-        CheckpointError: a tensor- or pipeline-parallel save, or two files for one rank.
+        CheckpointError: a tensor- or pipeline-parallel save, two files for one rank, or a
+            file that is a symbolic link.
     """
     found: dict[int, Path] = {}
     for name in sorted(os.listdir(tag)):
@@ -349,6 +370,7 @@ def rank_files(tag: Path, pattern: re.Pattern[str]) -> dict[int, Path]:
                 "pipeline-parallel save (model-parallel rank other than 00), which accel does "
                 "not read. Use DeepSpeed's own tools, or accel.save_state."
             )
+        refuse_link(tag / name)  # a rank's file, read or not, is never a link
         rank = int(match.group(1) or 0)
         if rank in found:
             raise bad(tag, f"it holds two files for rank {rank} ({found[rank].name}, {name})")
