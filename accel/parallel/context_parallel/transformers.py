@@ -28,7 +28,7 @@ from accel.errors import ArgumentTypeError, ConfigError
 from accel.parallel.context_parallel.attention import _attention, _check_heads
 from accel.parallel.context_parallel.loss import _loss
 from accel.parallel.context_parallel.plan import _Plan, _plan
-from accel.parallel.context_parallel.sharding import _gather, _shard
+from accel.parallel.context_parallel.sharding import _agree, _gather, _shard
 
 __all__ = ["ATTENTION_NAMES", "SequenceShardedForward", "apply_context_parallel"]
 
@@ -68,7 +68,8 @@ class SequenceShardedForward:
     """A transformers model's forward under context parallelism (installed by
     :func:`apply_context_parallel` as the instance ``forward``).
 
-    Takes the whole batch, runs the model on this rank's piece (:func:`shard_sequence`) and
+    Takes the whole batch (the cp ranks first check they were given the same shapes: one
+    small ``all_gather``), runs the model on this rank's piece (:func:`shard_sequence`) and
     returns its output with ``loss`` the whole batch's (:func:`sequence_loss`) when labels were
     given; ``logits`` (and ``last_hidden_state``) then stay this rank's piece, else they are
     gathered to the whole sequence (:func:`gather_sequence`).
@@ -87,7 +88,8 @@ class SequenceShardedForward:
                 f"forward() got multiple values for {sorted(clash)}: pass each argument once, "
                 "by position or by name."
             )
-        batch = _shard({**named, **kwargs}, self.plan)
+        given = {**named, **kwargs}
+        batch = _shard(given, self.plan, masked=_agree(given, self.plan))
         shift = batch.pop("shift_labels", None)
         count = batch.pop("num_items_in_batch", None)
         if shift is not None:

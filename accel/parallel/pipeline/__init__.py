@@ -11,6 +11,8 @@ One module per concept, each imported on its own (this package defines no names)
   rank, FSDP inside each, the ``PipelineStage`` objects and the schedule;
 - :mod:`accel.parallel.pipeline.step`: ``accel.pipeline_step``, one training step for every
   rank;
+- :mod:`accel.parallel.pipeline.agreement`: the ranks' batch shapes compared on every step
+  (riding on the exchange of the step's loss), so that ranks fed different batches raise alike;
 - :mod:`accel.parallel.pipeline.outputs`: the last stage's outputs broadcast to every rank
   (``pipeline_step(..., return_outputs=True)``) and ``accel.pipeline_forward`` (inference);
 - :mod:`accel.parallel.pipeline.grads`: the gradient norm summed over the stages;

@@ -29,6 +29,7 @@ from torch import nn
 from accel.core.options import BlockChoice
 from accel.core.state import state
 from accel.errors import ConfigError
+from accel.parallel.pipeline.agreement import Agreed
 from accel.parallel.pipeline.schedules import (
     ScheduleSpec,
     build_schedule,
@@ -122,7 +123,8 @@ class LossSlot:
 
     It records each microbatch's loss as the user's function returned it and hands the
     schedule that loss divided by the microbatches (and the accumulation steps), scaled as
-    ``accel.backward`` scales it.
+    ``accel.backward`` scales it. ``idle`` (a step run on stand-in labels, which then raises
+    on every rank) gives a zero loss instead of calling the function.
 
     Example:
         >>> slot = LossSlot(); slot.fn = nn.functional.mse_loss
@@ -131,11 +133,18 @@ class LossSlot:
     fn: Callable[..., torch.Tensor] | None = None
     scale: Callable[[torch.Tensor], torch.Tensor] = attrs.field(default=lambda loss: loss)
     losses: list[torch.Tensor] = attrs.field(factory=list)
+    idle: bool = False
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
         """The scaled loss of one microbatch (the unscaled one recorded)."""
         assert self.fn is not None, "set by pipeline_step before the schedule runs"
-        loss = self.fn(output, target)
+        if self.idle:  # zero, but through the outputs: the backward runs as it would
+            outs = output if isinstance(output, tuple | list) else (output,)
+            loss = sum((o.float().sum() * 0.0 for o in outs
+                        if isinstance(o, torch.Tensor) and o.is_floating_point()),
+                       torch.zeros((), device=state().device))
+        else:
+            loss = self.fn(output, target)
         self.losses.append(loss.detach())
         return self.scale(loss)
 
@@ -168,6 +177,8 @@ class Pipeline:
     """Every stage's own units, by stage number (what ``save_state`` records)."""
     rank_stages: tuple[tuple[int, ...], ...] = ()
     """The stages each pipeline rank runs, by pipeline rank."""
+    agreed: Agreed = attrs.field(factory=Agreed)
+    """The batch shapes the ranks agreed on at the first step (torch's stages keep them)."""
 
     @property
     def has_first(self) -> bool:

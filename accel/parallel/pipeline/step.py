@@ -7,7 +7,9 @@ left in the parameters as ``accel.backward`` leaves them: each microbatch's loss
 the microbatches and the accumulation steps and scaled for fp16, so they equal the gradient of
 one process's mean loss over the batch. The gradients of a parameter tied across stages are
 then summed over the ranks holding it, on the step that ends an accumulation cycle
-(:mod:`accel.parallel.pipeline.ties`).
+(:mod:`accel.parallel.pipeline.ties`). The ranks' batch shapes are compared on every step, on
+the first before the schedule and then inside the loss's exchange
+(:mod:`accel.parallel.pipeline.agreement`): ranks fed different batches raise alike.
 
 Example:
     >>> loss = accel.pipeline_step(model, x, y, loss_fn=nn.functional.cross_entropy)
@@ -24,6 +26,15 @@ from torch import nn
 from accel.core.scope import scope
 from accel.core.state import state
 from accel.errors import ArgumentTypeError, ConfigError
+from accel.parallel.pipeline.agreement import (
+    LOSS,
+    Agreed,
+    batch_row,
+    check_rows,
+    exchange,
+    signature,
+    stand_in,
+)
 from accel.parallel.pipeline.outputs import (
     as_args,
     forward_outputs,
@@ -70,8 +81,7 @@ def _whole(model: nn.Module, inputs: Any, labels: Any, loss_fn: Callable[..., An
     return loss.detach(), _detached(outputs)
 
 
-def _run(model: nn.Module, pipe: Pipeline, inputs: Any, labels: Any,
-         loss_fn: Callable[..., Any], return_outputs: bool) -> tuple[torch.Tensor, Any]:
+def _check_split(pipe: Pipeline, inputs: Any, labels: Any) -> None:
     size = _batch_size(inputs if pipe.has_first else labels)
     if size is not None and size % pipe.microbatches:
         raise ConfigError(
@@ -80,19 +90,55 @@ def _run(model: nn.Module, pipe: Pipeline, inputs: Any, labels: Any,
             "mean is not the batch's). Use a batch size divisible by the microbatches, or "
             "`accel.prepare_model(..., microbatches=...)` that divides it."
         )
+
+
+def _agree(pipe: Pipeline, inputs: Any, labels: Any, agreed: Agreed, mean: torch.Tensor | None
+           ) -> list[list[float]]:
+    """Every rank's batch row (and the last stage's ``mean``) on every rank, checked: one
+    ``all_gather`` over the pipeline group."""
+    row = torch.tensor(batch_row(inputs, labels, agreed), dtype=torch.float64,
+                       device=state().device)
+    if mean is not None and pipe.has_last:
+        row[LOSS] = mean.detach().to(torch.float64)
+    rows = exchange(pipe.group, row)
+    check_rows(rows, group=pipe.group, rank_stages=pipe.rank_stages, agreed=agreed)
+    return rows
+
+
+def _run(model: nn.Module, pipe: Pipeline, inputs: Any, labels: Any,
+         loss_fn: Callable[..., Any], return_outputs: bool) -> tuple[torch.Tensor, Any]:
     st = state()
     device = st.device
-    if not torch.is_grad_enabled():
+    agreed = pipe.agreed
+    if not torch.is_grad_enabled():  # forward-only stages of their own, keyed by the shapes
+        _agree(pipe, inputs, labels, Agreed(), None)
+        _check_split(pipe, inputs, labels)
         return _evaluate(model, pipe, inputs, labels, loss_fn, return_outputs)
+    swap_inputs = swap_labels = False
+    if not agreed.done:  # the first step: torch's stages take the shapes they will keep
+        rows = _agree(pipe, inputs, labels, agreed, None)
+        _check_split(pipe, inputs, labels)
+        agreed.keep(inputs, labels, rows)
+    else:  # a batch of other shapes runs on a stand-in; the step's exchange then raises
+        swap_inputs = (pipe.has_first and agreed.inputs is not None
+                       and signature(inputs) != agreed.inputs)
+        swap_labels = (pipe.has_last and agreed.labels is not None
+                       and signature(labels) != agreed.labels)
     if st.mixed_precision == "fp16":  # every stage's GradScaler takes its scale now (only
         # the last stage scales a loss; the others unscale the gradients that loss sent
         # back, by the same agreed scale)
         PRECISIONS["fp16"].scale_loss(torch.ones((), device=device))
     slot = pipe.slot
-    slot.fn, slot.losses = loss_fn, []
+    slot.fn, slot.losses, slot.idle = loss_fn, [], swap_labels
     slot.scale = _scaler(pipe.microbatches * st.gradient_accumulation_steps)
-    args = as_args(inputs) if pipe.has_first else ()
+    args: tuple[Any, ...] = ()
+    if pipe.has_first:
+        args = (stand_in(agreed.inputs, inputs, device) if swap_inputs and agreed.inputs
+                else as_args(inputs))
     target = labels if pipe.has_last else None
+    if swap_labels and agreed.labels is not None:
+        shaped = stand_in(agreed.labels, labels, device)
+        target = shaped if isinstance(labels, tuple | list) else shaped[0]
     try:
         outputs = pipe.schedule.step(*args, target=target, return_outputs=return_outputs)
     except RuntimeError as error:  # the user's own error out of torch's stage wrapper
@@ -101,22 +147,23 @@ def _run(model: nn.Module, pipe: Pipeline, inputs: Any, labels: Any,
             raise
         raise cause from None
     finally:
-        slot.fn = None
+        slot.fn, slot.idle = None, False
     if pipe.ties and scope().sync_gradients:  # the step's gradients are complete
         sync_tied_grads(pipe.ties, model)  # (and FSDP's reduced): the tied copies' summed
     # the last M: torch's first step also calls the loss once on its shape-inference output
     mean = (torch.stack(slot.losses[-pipe.microbatches:]).float().mean().to(device) if pipe.has_last
             else torch.zeros((), dtype=torch.float32, device=device))
     slot.losses = []
-    return _shared(pipe, mean, outputs, return_outputs)
+    return _shared(pipe, mean, outputs, return_outputs, inputs, labels, agreed)
 
 
-def _shared(pipe: Pipeline, mean: torch.Tensor, outputs: Any, return_outputs: bool
-            ) -> tuple[torch.Tensor, Any]:
-    import torch.distributed as dist
-
-    dist.broadcast(mean, group=pipe.group, group_src=pipe.last_rank)
-    return mean, share_outputs(pipe, outputs) if return_outputs else None
+def _shared(pipe: Pipeline, mean: torch.Tensor, outputs: Any, return_outputs: bool,
+            inputs: Any, labels: Any, agreed: Agreed) -> tuple[torch.Tensor, Any]:
+    """The last stage's mean loss on every rank, the ranks' batch shapes checked with it (one
+    ``all_gather`` in place of a broadcast); the outputs too when asked."""
+    rows = _agree(pipe, inputs, labels, agreed, mean)
+    shared = torch.tensor(rows[pipe.last_rank][LOSS], dtype=torch.float32, device=mean.device)
+    return shared, share_outputs(pipe, outputs) if return_outputs else None
 
 
 def _evaluate(model: nn.Module, pipe: Pipeline, inputs: Any, labels: Any,
@@ -135,7 +182,7 @@ def _evaluate(model: nn.Module, pipe: Pipeline, inputs: Any, labels: Any,
                             for p, t in zip(pieces, targets, strict=True)]).mean().to(device)
     else:
         mean = torch.zeros((), dtype=torch.float32, device=device)
-    return _shared(pipe, mean, outputs, return_outputs)
+    return _shared(pipe, mean, outputs, return_outputs, inputs, labels, Agreed())
 
 
 def pipeline_step(
@@ -168,7 +215,10 @@ def pipeline_step(
         ``(loss, outputs)``.
 
     Raises:
-        ConfigError: a batch the microbatches do not divide.
+        ConfigError: a batch the microbatches do not divide, or (on every rank) a batch of
+            other shapes than the first step's, which torch's stages keep.
+        CollectiveMismatchError: (on every rank) the ranks of the pipeline were given
+            batches of different shapes; names each rank's.
         ArgumentTypeError: ``model`` is not a module or ``loss_fn`` not callable.
 
     Example:
