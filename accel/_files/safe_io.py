@@ -44,6 +44,7 @@ __all__ = [
     "pread_into",
     "read_bounded",
     "read_declared",
+    "refuse_link",
 ]
 
 #: The largest JSON text accel reads from a checkpoint (manifest, index, structure file,
@@ -86,6 +87,23 @@ def _link_refused(path: str) -> CheckpointError:
         "a crafted checkpoint cannot make it read or overwrite a file elsewhere. Put the file "
         "itself there (e.g. `cp --remove-destination TARGET LINK`), or load another checkpoint."
     )
+
+
+def refuse_link(path: str | os.PathLike[str]) -> None:
+    """Refuse ``path`` if it is a symbolic link (a file's or a directory's), wherever it points.
+
+    For the entries of a checkpoint that are not opened as files (a tag's directory) or that
+    are listed before they are opened; :func:`open_regular` refuses a linked file by itself.
+
+    Raises:
+        CheckpointError: ``path`` is a symbolic link; the message names it and its target.
+
+    Example:
+        >>> refuse_link(Path("ds_ckpt") / "global_step3")
+    """
+    where = os.fspath(path)
+    if os.path.islink(where):
+        raise _link_refused(where)
 
 
 def _not_regular(path: str, mode: int) -> CheckpointError:

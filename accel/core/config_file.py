@@ -11,15 +11,20 @@ environment leaves unset from it) and below ``accel launch`` / ``accel env``
     gradient_accumulation_steps = 4
 
 Also here: :func:`deepspeed_policy`, what a DeepSpeed config file says of the same two
-settings (read where nothing else sets them, under ``strategy="deepspeed"``).
+settings (read where nothing else sets them, under ``strategy="deepspeed"``), and
+:func:`load_deepspeed_json`, the one bounded reader of a DeepSpeed JSON file (the engine's too).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from accel.core.env import LaunchEnv, read_launch_env, read_variable
 from accel.core.settings import SETTINGS, toml_value, validate_setting
@@ -28,10 +33,13 @@ from accel.errors import ConfigError
 __all__ = [
     "check_consistency",
     "config_path",
+    "DEEPSPEED_CONFIG_MAX_BYTES",
+    "DEEPSPEED_CONFIG_MAX_DEPTH",
     "deepspeed_policy",
     "default_config_path",
     "dump_config",
     "load_config",
+    "load_deepspeed_json",
     "parse_config",
     "write_config",
 ]
@@ -235,7 +243,168 @@ def write_config(path: str | os.PathLike[str], settings: Mapping[str, object]) -
     return target
 
 
-_DS_CONFIG_MAX_BYTES = 1 << 20
+#: The largest DeepSpeed JSON config accel reads (DeepSpeed's own templates are a few KB).
+DEEPSPEED_CONFIG_MAX_BYTES = 4 << 20
+#: The deepest nesting of arrays and objects accel reads in one (DeepSpeed's nest 3-4 deep).
+DEEPSPEED_CONFIG_MAX_DEPTH = 64
+_DS_EXAMPLE = "`accel.distributed(strategy='deepspeed', deepspeed_config='ds_config.json')`"
+_DS_OBJECT = "`{\"zero_optimization\": {\"stage\": 2}}`"
+_KINDS = (
+    (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # a JSON string literal
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
+
+
+def _check_file(where: str, found: os.stat_result, limit: int) -> None:
+    if not stat.S_ISREG(found.st_mode):
+        kind = next((name for test, name in _KINDS if test(found.st_mode)), "not a regular file")
+        raise ConfigError(
+            f"deepspeed_config={where!r} is {kind}, not a regular file; accel reads the "
+            f"DeepSpeed config only from a regular JSON file, e.g. {_DS_EXAMPLE}."
+        )
+    if found.st_size > limit:
+        raise _too_large(where, limit)
+
+
+def _too_large(where: str, limit: int) -> ConfigError:
+    return ConfigError(
+        f"deepspeed_config={where!r} holds more than {limit} bytes, the most accel reads for "
+        "a DeepSpeed config (DeepSpeed's own are a few KB): it is not a DeepSpeed config. "
+        f"Give the path of your DeepSpeed JSON config, e.g. {_DS_EXAMPLE}."
+    )
+
+
+def _read_regular(where: str, limit: int) -> bytes:
+    """At most ``limit`` bytes of the regular file ``where``, never opening anything else."""
+    _check_file(where, os.stat(where), limit)  # follows a link: the user's file may be one
+    # O_NONBLOCK: a FIFO swapped in after the stat cannot block the open
+    fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        _check_file(where, os.fstat(fd), limit)
+        parts, size = [], 0
+        while size <= limit and (part := os.read(fd, limit + 1 - size)):
+            parts.append(part)
+            size += len(part)
+    finally:
+        os.close(fd)
+    if size > limit:  # it grew while read
+        raise _too_large(where, limit)
+    return b"".join(parts)
+
+
+def _json_depth(text: str, limit: int) -> int:
+    """How deeply the arrays and objects of the JSON ``text`` nest (brackets in strings do
+    not count), found without recursion; counting stops once past ``limit``.
+
+    Example:
+        >>> _json_depth('{"a": [[1], "]]]"]}', 64)
+        3
+    """
+    marks = _NOT_BRACKETS.sub("", _STRING.sub("", text))
+    deepest = level = 0
+    for mark in marks:
+        level += 1 if mark in "[{" else -1
+        if level > deepest:
+            deepest = level
+            if deepest > limit:
+                break
+    return deepest
+
+
+class _Refused(Exception):
+    """What is wrong with a JSON text (its message), inside :func:`_parse_strict_json`."""
+
+
+def _parse_strict_json(text: str) -> Any:
+    """Parse JSON that may be hostile; a refusal is :class:`_Refused` saying what was wrong.
+
+    Refused: nesting deeper than :data:`DEEPSPEED_CONFIG_MAX_DEPTH` (measured before
+    parsing), a key twice in one object, ``NaN``/``Infinity`` or a number too large for a
+    float, anything else that is not JSON.
+
+    Example:
+        >>> _parse_strict_json('{"a": 1}')
+        {'a': 1}
+    """
+    limit = DEEPSPEED_CONFIG_MAX_DEPTH
+    if _json_depth(text, limit) > limit:
+        raise _Refused(f"its arrays and objects nest more than {limit} levels deep")
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        table = dict(items)
+        if len(table) != len(items):
+            seen: set[str] = set()
+            for key, _ in items:
+                if key in seen:
+                    raise _Refused(f"an object holds the key {key!r:.80} twice")
+                seen.add(key)
+        return table
+
+    def constant(name: str) -> float:
+        raise _Refused(f"it holds {name}, which is not JSON")
+
+    def number(digits: str) -> float:
+        value = float(digits)
+        if not math.isfinite(value):
+            raise _Refused(f"the number {digits:.40} is too large for a float")
+        return value
+
+    try:
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant,
+                          parse_float=number)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, an int of 5000 digits
+        raise _Refused(f"it is not valid JSON ({exc})") from None
+
+
+def load_deepspeed_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A DeepSpeed JSON config file, read as untrusted input.
+
+    Only a regular file is opened (checked with ``stat`` first, and again on the descriptor,
+    opened without blocking: a FIFO or ``/dev/zero`` is refused unread), at most
+    :data:`DEEPSPEED_CONFIG_MAX_BYTES` bytes are read, and the text must be UTF-8 JSON holding
+    one object (:func:`_parse_strict_json`: bounded nesting, no key twice, no ``NaN``). The
+    engine (``accel.parallel.deepspeed.config``) and :func:`deepspeed_policy` both read
+    through it.
+
+    Raises:
+        ConfigError: what is wrong with the file, naming it.
+
+    Example:
+        >>> load_deepspeed_json("ds_config.json")
+        {'zero_optimization': {'stage': 2}}
+    """
+    where = os.fspath(Path(path).expanduser())
+    try:
+        data = _read_regular(where, DEEPSPEED_CONFIG_MAX_BYTES)
+    except OSError as exc:
+        raise ConfigError(
+            f"deepspeed_config={where!r} cannot be read ({exc.strerror or exc}); give the "
+            f"path of your DeepSpeed JSON config, e.g. {_DS_EXAMPLE}."
+        ) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"deepspeed_config={where!r} is not UTF-8 text: byte "
+            f"{data[exc.start:exc.start + 1]!r} at offset {exc.start} cannot be decoded. A "
+            "DeepSpeed config is UTF-8 JSON; save it as UTF-8."
+        ) from None
+    try:
+        config = _parse_strict_json(text)
+    except _Refused as exc:
+        raise ConfigError(
+            f"deepspeed_config={where!r} is not a valid DeepSpeed JSON config: {exc}. Fix "
+            f"the file; a DeepSpeed config is one JSON object, e.g. {_DS_OBJECT}."
+        ) from None
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"deepspeed_config={where!r} holds a {type(config).__name__}, not a JSON "
+            f"object (e.g. {_DS_OBJECT})."
+        )
+    return config
 
 
 def deepspeed_policy(source: object) -> dict[str, object]:
@@ -243,8 +412,9 @@ def deepspeed_policy(source: object) -> dict[str, object]:
     ``mixed_precision`` when exactly one of its ``bf16``/``fp16`` sections is enabled with
     ``true``, ``gradient_accumulation_steps`` when it writes a number. ``accel.distributed``
     takes them when neither its arguments nor the environment or config file give them (as
-    Accelerate reads them from a DeepSpeed config). Anything unreadable gives nothing here:
-    the engine reads the config again and says what is wrong with it.
+    Accelerate reads them from a DeepSpeed config). The file is read by
+    :func:`load_deepspeed_json` (bounded, regular files only); anything unreadable gives
+    nothing here: the engine reads the config again and says what is wrong with it.
 
     Example:
         >>> deepspeed_policy({"bf16": {"enabled": True}, "gradient_accumulation_steps": 4})
@@ -253,11 +423,8 @@ def deepspeed_policy(source: object) -> dict[str, object]:
     config: object = source
     if isinstance(source, str | os.PathLike):
         try:
-            path = Path(source)
-            if not path.is_file() or path.stat().st_size > _DS_CONFIG_MAX_BYTES:
-                return {}
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            config = load_deepspeed_json(source)
+        except ConfigError:
             return {}
     if not isinstance(config, Mapping):
         return {}

@@ -21,17 +21,17 @@ Anything else left ``"auto"`` is a ``ConfigError`` naming the key.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs
 
+from accel.core.config_file import DEEPSPEED_CONFIG_MAX_DEPTH, load_deepspeed_json
 from accel.core.settings import OFFLOAD_DEVICES
 from accel.errors import ConfigError
+from accel.parallel.deepspeed.keys import check_keys
 from accel.parallel.deepspeed.sections import Client, reconcile
 
 __all__ = [
@@ -78,11 +78,35 @@ class Resolved:
     clip_from_loop: bool
 
 
+def _shallow_enough(config: Mapping[str, Any]) -> None:
+    """Refuse a config given in code nested deeper than a file may be (found without
+    recursion, so a deep or self-containing dict is a ConfigError, not a RecursionError)."""
+    limit = DEEPSPEED_CONFIG_MAX_DEPTH
+    stack: list[tuple[object, int]] = [(config, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise ConfigError(
+                f"The DeepSpeed config given as a dict: its dicts and lists nest more than "
+                f"{limit} levels deep (DeepSpeed's nest 3 or 4); pass the config itself, e.g. "
+                "`deepspeed_config={\"zero_optimization\": {\"stage\": 2}}`."
+            )
+        items = node.values() if isinstance(node, Mapping) else (
+            node if isinstance(node, list | tuple) else ())
+        stack.extend((item, depth + 1) for item in items
+                     if isinstance(item, Mapping | list | tuple))
+
+
 def load_config(source: object) -> dict[str, Any]:
     """The user's DeepSpeed config: a copy of a dict, or a JSON file read (``None``: empty).
 
+    A file is read by :func:`accel.core.config_file.load_deepspeed_json`: a regular file only
+    (never a FIFO or a device), at most 4 MiB, UTF-8 JSON nested at most 64 deep, no key
+    twice. A dict nested deeper is refused too.
+
     Raises:
-        ConfigError: the file is missing or not a JSON object, or ``source`` is neither.
+        ConfigError: the file is missing, not a regular file, too large, not UTF-8 JSON or not
+            a JSON object, a key is in it twice, it nests too deep, or ``source`` is neither.
 
     Example:
         >>> load_config({"zero_optimization": {"stage": 2}})
@@ -91,32 +115,14 @@ def load_config(source: object) -> dict[str, Any]:
     if source is None:
         return {}
     if isinstance(source, Mapping):
+        _shallow_enough(source)
         return copy.deepcopy(dict(source))
     if not isinstance(source, str | os.PathLike):
         raise ConfigError(
             f"deepspeed_config={source!r} must be a path to a DeepSpeed JSON file or a dict, "
             f"e.g. {_EXAMPLE}."
         )
-    path = Path(source).expanduser()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(
-            f"deepspeed_config={str(source)!r} cannot be read ({exc.strerror or exc}); give the "
-            f"path of your DeepSpeed JSON config, e.g. {_EXAMPLE}."
-        ) from None
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(
-            f"deepspeed_config={str(source)!r} is not valid JSON ({exc}); fix the file."
-        ) from None
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"deepspeed_config={str(source)!r} holds a {type(data).__name__}, not a JSON "
-            "object (e.g. `{\"zero_optimization\": {\"stage\": 2}}`)."
-        )
-    return data
+    return load_deepspeed_json(source)
 
 
 def _offload(zero: dict[str, Any], key: str, device: object, option: str) -> None:
@@ -362,6 +368,7 @@ def resolve_config(config: Mapping[str, Any], facts: Facts) -> Resolved:
             "bf16/fp16, gradient_clipping and, for a model with config.hidden_size, ZeRO "
             "bucket sizes). Write the value(s) in the config."
         )
+    check_keys(out, world_size=facts.world_size)
     return Resolved(config=out, clip_from_loop=clip_from_loop)
 
 
@@ -412,4 +419,5 @@ def partition_config(config: Mapping[str, Any], facts: Facts) -> dict[str, Any]:
     out["gradient_accumulation_steps"] = facts.gradient_accumulation_steps
     stripped = _without_autos(out)
     assert isinstance(stripped, dict)
+    check_keys(stripped, world_size=facts.world_size)
     return stripped
