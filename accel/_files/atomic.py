@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import TypeVar
 
 from accel._files.format import fsync_dir
@@ -197,6 +198,46 @@ def recover(final: Path, is_complete: Callable[[Path], bool]) -> None:
                 )
 
 
+_LOCK_TRIES = 100  # a lock file replaced this often while we take it: another writer's
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` (not followed) still names the open file ``fd``."""
+    try:
+        named = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _take(path: Path, what: str, fcntl: ModuleType) -> int:
+    """Open and lock the lock file now at ``path``; its descriptor (the lock is held)."""
+    for _ in range(_LOCK_TRIES):
+        fd = open_lock(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CheckpointError(
+                f"Another writer is saving to {what} right now (lock {os.fspath(path)!r} held "
+                f"by {holder}). Two jobs must not write to one checkpoint location: give each "
+                "its own directory, or wait until the other save finishes."
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, path):
+            return fd
+        os.close(fd)  # its holder removed it after we opened it: take the one there now
+    raise CheckpointError(
+        f"The lock file {os.fspath(path)!r} of {what} was replaced {_LOCK_TRIES} times while "
+        "accel took it: other writers keep saving there. Two jobs must not write to one "
+        "checkpoint location: give each its own directory."
+    )
+
+
 @contextmanager
 def writer_lock(path: Path, what: str) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``path`` (created if needed) for one writer.
@@ -206,9 +247,19 @@ def writer_lock(path: Path, what: str) -> Iterator[None]:
     at most one ``pid N on HOST`` line), never through a symbolic link; so writing the
     holder's pid into it cannot overwrite a file planted under that name.
 
+    The holder removes the file when it is done (the body returned or raised) while it still
+    holds the lock, so no lock file outlives its writer. That is safe because a writer that
+    takes the lock checks that the path still names the file it locked, and otherwise takes
+    the file there now: a file its holder removed locks nothing. A killed writer leaves its
+    lock file (no lock is held on it): the next writer of the place reuses it and removes it.
+
     Raises:
         CheckpointError: another process holds it (two jobs writing to one place), or the
             path holds a link, a special file or a file accel did not write.
+
+    Example:
+        >>> with writer_lock(Path(".ckpt.accel-lock"), "the checkpoint 'ckpt'"):
+        ...     ...  # write; the lock file is gone afterwards
     """
     try:
         import fcntl
@@ -216,19 +267,16 @@ def writer_lock(path: Path, what: str) -> Iterator[None]:
         yield
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = open_lock(path)
+    fd = _take(path, what, fcntl)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            raise CheckpointError(
-                f"Another writer is saving to {what} right now (lock {os.fspath(path)!r} held "
-                f"by {holder}). Two jobs must not write to one checkpoint location: give each "
-                "its own directory, or wait until the other save finishes."
-            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         yield
     finally:
-        os.close(fd)  # closing releases the lock
+        try:
+            if _same_file(fd, path):  # it is ours while we hold it: remove, then release
+                os.unlink(path)
+        except OSError:  # a read-only or vanished parent: the next writer reuses it
+            pass
+        finally:
+            os.close(fd)  # closing releases the lock

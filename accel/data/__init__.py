@@ -33,6 +33,7 @@ from accel.core.state import state
 from accel.data._dispatch_mode import dispatch_map, dispatch_stream
 from accel.data._epoch_seeds import worker_seeds
 from accel.data._loader import LoaderMode, Plan, PreparedDataLoader, loader_options
+from accel.data._resume_checks import warn_skip_after_restore
 from accel.data._shard_mode import shard_mode
 from accel.data._stream_mode import stream_mode
 from accel.errors import ConfigError, DataLoaderTypeError
@@ -223,6 +224,10 @@ def skip_first_batches(
                 f"{name}={value!r} must be a non-negative integer, e.g. "
                 "`accel.skip_first_batches(loader, 3, epoch=1)`."
             )
+    restored = loader._cursor.restored
+    if restored is not None and restored.yielded > 0:  # a restored mid-epoch position skips
+        loader._cursor.restored = None  # said once per restore
+        warn_skip_after_restore(restored, num_batches, epoch, stacklevel=2)
     view = copy.copy(loader)
     view.__dict__["_iterator"] = None  # its own (persistent) worker iterator
     view.__dict__["_skip_once"] = num_batches

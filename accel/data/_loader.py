@@ -27,6 +27,7 @@ from accel.core.scope import scope
 from accel.core.tree import map_tensors
 from accel.data._epoch_seeds import Reseeder, WorkerSeeds
 from accel.data._loader_state import loader_state, read_loader_state
+from accel.data._resume_checks import Restored, warn_earlier_epoch
 
 __all__ = ["LoaderMode", "Plan", "PreparedDataLoader", "loader_options"]
 
@@ -69,6 +70,7 @@ class _Cursor:
     epoch: int = 0
     yielded: int = 0
     pending: bool = True  # (epoch, yielded) is where the next iteration starts
+    restored: Restored | None = None  # what load_state_dict restored, until the next iteration
 
 
 @attrs.frozen(kw_only=True)
@@ -266,6 +268,7 @@ class PreparedDataLoader(DataLoader[Any]):
             self.worker_seeds.base = saved.worker_seed
         cursor = self._cursor
         cursor.epoch, cursor.yielded, cursor.pending = saved.epoch, saved.yielded, True
+        cursor.restored = Restored(saved.epoch, saved.yielded)
 
     def _begin(self) -> tuple[int, int]:
         cursor = self._cursor
@@ -273,6 +276,9 @@ class PreparedDataLoader(DataLoader[Any]):
             epoch, start = cursor.epoch, cursor.yielded
         else:
             epoch, start = cursor.epoch + 1, 0
+        restored, cursor.restored = cursor.restored, None
+        if restored is not None and epoch < restored.epoch:
+            warn_earlier_epoch(restored, epoch, stacklevel=3)  # _begin < __iter__ < the loop
         if self._skip_once is not None:
             start, self._skip_once = self._skip_once, None
         cursor.epoch, cursor.yielded, cursor.pending = epoch, start, False

@@ -20,6 +20,7 @@ import importlib.util
 import operator
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -36,7 +37,7 @@ from accel.errors import (
     TrackerUnavailableError,
     TrackingNotActiveError,
 )
-from accel.trackers.base import RunInfo, Tracker, to_loggable
+from accel.trackers.base import RunInfo, Tracker, to_loggable_skipping_none
 
 __all__ = ["TrackingRun", "get_tracker", "log", "tracking"]
 
@@ -78,6 +79,8 @@ class TrackingRun:
     directory: Path | None
     tracker_names: tuple[str, ...]
     trackers: Mapping[str, Tracker] = attrs.field(converter=_readonly)
+    # the keys whose None value this block already warned about (this block's own record)
+    _none_said: set[str] = attrs.field(factory=set, init=False, repr=False, eq=False)
 
     @property
     def active(self) -> bool:
@@ -404,17 +407,35 @@ def _step(step: object) -> int | None:
         ) from None
 
 
+def _warn_skipped(run: TrackingRun, skipped: Sequence[str]) -> None:
+    """Warn once per key and tracking block that a ``None`` value was skipped."""
+    for name in skipped:
+        if name in run._none_said:
+            continue
+        run._none_said.add(name)
+        warnings.warn(
+            f"accel.log() skipped {name!r}: its value is None (e.g. diffusers' EMAModel decay "
+            "before its first step), which has no number to log. None values are skipped, "
+            "said once per key and tracking block; to silence this, leave the key out until "
+            "it has a value, e.g. `accel.log({k: v for k, v in logs.items() if v is not None})`.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def log(values: Mapping[str, Any], *, step: int | None = None) -> None:
     """Log ``values`` to every tracker of the active ``tracking()`` block (main process only).
 
     Not a collective: call it on every rank or on the main process only (also inside an
     ``@accel.on_main_process`` function). On other ranks it returns at once, without
     converting anything. One-element tensors and numpy scalars are converted with
-    ``.item()``; nested dicts become ``"outer/inner"`` keys; other values are refused.
+    ``.item()``; nested dicts become ``"outer/inner"`` keys; ``None`` values are skipped
+    (a ``UserWarning`` names each such key once per tracking block, as Accelerate's trackers
+    skip them); other values are refused.
 
     Args:
         values: metric name -> int, float, str, 1-element tensor, numpy scalar (or a dict of
-            them).
+            them); ``None`` values are skipped.
         step: the training step (``None``: each tracker's own counter; jsonl writes null).
 
     Raises:
@@ -435,7 +456,10 @@ def log(values: Mapping[str, Any], *, step: int | None = None) -> None:
     if not run.trackers:
         return
     at = _step(step)
-    clean = to_loggable(values)
+    clean, skipped = to_loggable_skipping_none(values)
+    _warn_skipped(run, skipped)
+    if skipped and not clean:
+        return  # only None values: nothing to write
     for tracker in run.trackers.values():
         tracker.log(clean, at)
 

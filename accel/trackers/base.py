@@ -44,6 +44,7 @@ __all__ = [
     "RunInfo",
     "Tracker",
     "to_loggable",
+    "to_loggable_skipping_none",
 ]
 
 LogValue = int | float | str
@@ -109,7 +110,12 @@ def _convert(key: str, value: Any) -> LogValue:
     )
 
 
-def _flatten(prefix: str, values: Mapping[Any, Any], out: dict[str, LogValue]) -> None:
+def _flatten(
+    prefix: str,
+    values: Mapping[Any, Any],
+    out: dict[str, LogValue],
+    skipped: list[str] | None = None,
+) -> None:
     for key, value in values.items():
         if not isinstance(key, str):
             raise LogValueError(
@@ -118,7 +124,9 @@ def _flatten(prefix: str, values: Mapping[Any, Any], out: dict[str, LogValue]) -
             )
         name = f"{prefix}/{key}" if prefix else key
         if isinstance(value, Mapping):
-            _flatten(name, value, out)
+            _flatten(name, value, out, skipped)
+        elif value is None and skipped is not None:
+            skipped.append(name)
         else:
             out[name] = _convert(name, value)
 
@@ -133,12 +141,36 @@ def to_loggable(values: Mapping[str, Any]) -> dict[str, LogValue]:
         >>> to_loggable({"loss": torch.tensor(0.5), "eval": {"acc": 0.9}})
         {'loss': 0.5, 'eval/acc': 0.9}
     """
+    return _flat_values(values, None)
+
+
+def _flat_values(values: Mapping[str, Any], skipped: list[str] | None) -> dict[str, LogValue]:
     if not isinstance(values, Mapping):
         raise LogValueError(
             f"accel.log() takes a dict of values, got {type(values).__name__} {values!r:.80}. "
             "Write e.g. `accel.log({'loss': loss}, step=step)`."
         )
     out: dict[str, LogValue] = {}
-    _flatten("", values, out)
+    _flatten("", values, out, skipped)
     return out
 
+
+def to_loggable_skipping_none(
+    values: Mapping[str, Any],
+) -> tuple[dict[str, LogValue], tuple[str, ...]]:
+    """Like :func:`to_loggable`, but ``None`` values are left out and their names returned.
+
+    What ``accel.log`` uses: a value that is not there yet (diffusers' ``EMAModel`` reports
+    ``decay=None`` before its first step) is skipped, as Accelerate's trackers skip it; every
+    other value keeps its check.
+
+    Returns:
+        The converted values and the (flattened) names of the ``None`` values skipped.
+
+    Example:
+        >>> to_loggable_skipping_none({"loss": 0.5, "ema": {"decay": None}})
+        ({'loss': 0.5}, ('ema/decay',))
+    """
+    skipped: list[str] = []
+    out = _flat_values(values, skipped)
+    return out, tuple(skipped)

@@ -132,9 +132,10 @@ with accel.distributed():
         if not (root / "train_log.txt").exists():
             problems.append("random kill: the user's file is gone")
         committed, value, random_kills = got, int(got) + 1, random_kills + 1
-    save(value + 1)  # a clean save repairs and removes every leftover
+    save(value + 1)  # a clean save repairs and removes every leftover, lock files too
     left = sorted(p.name for p in root.iterdir()
-                  if ".tmp-" in p.name or ".old-" in p.name or ".trash-" in p.name)
+                  if ".tmp-" in p.name or ".old-" in p.name or ".trash-" in p.name
+                  or p.name.endswith((".accel-lock", ".accel-checkpoints.lock")))
     if left:
         problems.append(f"leftovers after a clean save: {left}")
     if load() != float(value + 1):

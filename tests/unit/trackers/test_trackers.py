@@ -4,6 +4,7 @@ import glob
 import importlib.util
 import json
 import struct
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -131,8 +132,6 @@ def test_bad_values_are_refused_not_dropped(tmp_path: Path) -> None:
             accel.log({"vec": torch.ones(3)})
         with pytest.raises(LogValueError, match="object"):
             accel.log({"thing": object()})
-        with pytest.raises(ValueError, match="None"):
-            accel.log({"missing": None})
         with pytest.raises(LogValueError, match="string keys"):
             accel.log({1: 2.0})  # type: ignore[dict-item]
         with pytest.raises(LogValueError, match="dict of values"):
@@ -143,6 +142,42 @@ def test_bad_values_are_refused_not_dropped(tmp_path: Path) -> None:
             accel.log({"step": 3})
         accel.log({"loss": 2.0}, step=torch.tensor(4))  # type: ignore[arg-type]
     assert [(r["step"], r["loss"]) for r in _rows(tmp_path / "r")] == [(4, 2.0)]
+
+
+def test_none_values_are_skipped_with_one_warning_per_key(tmp_path: Path) -> None:
+    # diffusers' EMAModel reports decay=None before its first step; the loop logs it as is
+    custom = RecordingTracker()
+    with accel.tracking(tmp_path, log_with=("jsonl", custom), run_name="r"):
+        with pytest.warns(UserWarning, match="value is None") as said:
+            accel.log({"loss": 1.0, "ema_decay": None, "eval": {"acc": None}}, step=0)
+        assert sorted(str(w.message).split("'")[1] for w in said) == ["ema_decay", "eval/acc"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same keys again: no second warning
+            accel.log({"loss": 2.0, "ema_decay": None}, step=1)
+            accel.log({"ema_decay": None}, step=2)  # nothing left: no row at all
+        accel.log({"loss": 3.0, "ema_decay": 0.5}, step=3)
+    assert [(r["step"], r.get("ema_decay")) for r in _rows(tmp_path / "r")] == [
+        (0, None),
+        (1, None),
+        (3, 0.5),
+    ]
+    assert custom.rows == [
+        ({"loss": 1.0}, 0),
+        ({"loss": 2.0}, 1),
+        ({"loss": 3.0, "ema_decay": 0.5}, 3),
+    ]
+    with (
+        fake_state(rank=1, world_size=2),
+        accel.tracking(tmp_path, log_with=("jsonl",), run_name="r2"),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("error")  # other ranks convert nothing, so say nothing
+        accel.log({"ema_decay": None})
+    with (
+        accel.tracking(tmp_path, log_with=(custom,), run_name="r3"),
+        pytest.warns(UserWarning, match="'ema_decay'"),  # a new block says it again
+    ):
+        accel.log({"ema_decay": None}, step=0)
 
 
 def _fail_inside(root: Path, message: str, out: dict[str, Any], **options: Any) -> None:

@@ -199,7 +199,7 @@ def test_save_model_refuses_what_it_cannot_replace(tmp_path: Path) -> None:
     busy = writer_lock(tmp_path / ".busy.accel-lock", "test")
     with busy, pytest.raises(CheckpointError, match="Another writer"):
         accel.save_model(_model(0), tmp_path / "busy")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".busy.accel-lock", "file", "out"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]  # released: removed
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["model.safetensors"]
 
 
