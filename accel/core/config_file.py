@@ -314,24 +314,28 @@ def _json_depth(text: str, limit: int) -> int:
     return deepest
 
 
-class _Refused(Exception):
-    """What is wrong with a JSON text (its message), inside :func:`_parse_strict_json`."""
+def _refused(where: str, what: str) -> ConfigError:
+    return ConfigError(
+        f"deepspeed_config={where!r} is not a valid DeepSpeed JSON config: {what}. Fix "
+        f"the file; a DeepSpeed config is one JSON object, e.g. {_DS_OBJECT}."
+    )
 
 
-def _parse_strict_json(text: str) -> Any:
-    """Parse JSON that may be hostile; a refusal is :class:`_Refused` saying what was wrong.
+def _parse_strict_json(text: str, where: str) -> Any:
+    """Parse JSON that may be hostile (the text of the file ``where``); a refusal is a
+    ``ConfigError`` naming the file and what was wrong.
 
     Refused: nesting deeper than :data:`DEEPSPEED_CONFIG_MAX_DEPTH` (measured before
     parsing), a key twice in one object, ``NaN``/``Infinity`` or a number too large for a
     float, anything else that is not JSON.
 
     Example:
-        >>> _parse_strict_json('{"a": 1}')
+        >>> _parse_strict_json('{"a": 1}', "ds.json")
         {'a': 1}
     """
     limit = DEEPSPEED_CONFIG_MAX_DEPTH
     if _json_depth(text, limit) > limit:
-        raise _Refused(f"its arrays and objects nest more than {limit} levels deep")
+        raise _refused(where, f"its arrays and objects nest more than {limit} levels deep")
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         table = dict(items)
@@ -339,24 +343,26 @@ def _parse_strict_json(text: str) -> Any:
             seen: set[str] = set()
             for key, _ in items:
                 if key in seen:
-                    raise _Refused(f"an object holds the key {key!r:.80} twice")
+                    raise _refused(where, f"an object holds the key {key!r:.80} twice")
                 seen.add(key)
         return table
 
     def constant(name: str) -> float:
-        raise _Refused(f"it holds {name}, which is not JSON")
+        raise _refused(where, f"it holds {name}, which is not JSON")
 
     def number(digits: str) -> float:
         value = float(digits)
         if not math.isfinite(value):
-            raise _Refused(f"the number {digits:.40} is too large for a float")
+            raise _refused(where, f"the number {digits:.40} is too large for a float")
         return value
 
     try:
         return json.loads(text, object_pairs_hook=pairs, parse_constant=constant,
                           parse_float=number)
+    except ConfigError:
+        raise
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, an int of 5000 digits
-        raise _Refused(f"it is not valid JSON ({exc})") from None
+        raise _refused(where, f"it is not valid JSON ({exc})") from None
 
 
 def load_deepspeed_json(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -392,13 +398,7 @@ def load_deepspeed_json(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{data[exc.start:exc.start + 1]!r} at offset {exc.start} cannot be decoded. A "
             "DeepSpeed config is UTF-8 JSON; save it as UTF-8."
         ) from None
-    try:
-        config = _parse_strict_json(text)
-    except _Refused as exc:
-        raise ConfigError(
-            f"deepspeed_config={where!r} is not a valid DeepSpeed JSON config: {exc}. Fix "
-            f"the file; a DeepSpeed config is one JSON object, e.g. {_DS_OBJECT}."
-        ) from None
+    config = _parse_strict_json(text, where)
     if not isinstance(config, dict):
         raise ConfigError(
             f"deepspeed_config={where!r} holds a {type(config).__name__}, not a JSON "
