@@ -13,6 +13,7 @@ __all__ = [
     "AbortedError",
     "AccelError",
     "ArgumentTypeError",
+    "ArrivalTimeoutError",
     "CheckpointArgumentError",
     "CheckpointCancelledError",
     "CheckpointError",
@@ -78,7 +79,10 @@ class GatedCollectiveError(AccelError, RuntimeError):
 
 
 class CollectiveMismatchError(AccelError, ValueError):
-    """Ranks called a collective with different operations, shapes or dtypes (debug mode)."""
+    """Ranks called a collective with different operations, shapes or dtypes (debug mode), or
+    different calls that every rank must make (``save_state`` on one, ``load_state`` on
+    another), or were fed batches of different shapes where they pass pieces of one batch
+    (a pipeline's stages, a context-parallel group)."""
 
 
 class CollectiveArgumentError(AccelError, ValueError):
@@ -92,6 +96,12 @@ class CollectiveTypeError(ArgumentTypeError):
 
 class CollectiveTimeoutError(AccelError, TimeoutError):
     """Some ranks never arrived at a collective (debug mode) or a run exceeded its timeout."""
+
+
+class ArrivalTimeoutError(CollectiveTimeoutError):
+    """Some ranks never arrived at a call every rank must make (``save_state``,
+    ``load_state``, ``wait_for_everyone``...) within ``arrival_timeout``: usually the call sits
+    inside ``if accel.is_main_process:``."""
 
 
 class MainProcessFirstError(AccelError, RuntimeError):

@@ -18,9 +18,9 @@ masks, running statistics), as in Accelerate; only a buffer made directly from o
 large random/empty factories above ends on the device with the parameters.
 
 The settings live in a ``ContextSlot`` (``accel.core.scope``) and the factory redirection is
-a ``TorchFunctionMode`` (per thread), so a block affects only the thread that entered it; the registration patch on
-``nn.Module`` is installed while at least one block is open in any thread and removed when the
-last one closes.
+a ``TorchFunctionMode`` (per thread), so a block affects only the thread that entered it; the
+registration patch on ``nn.Module`` is installed while at least one block is open in any
+thread and removed when the last one closes.
 """
 
 from __future__ import annotations

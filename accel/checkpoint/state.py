@@ -226,7 +226,7 @@ def save_state(
         ...                  scheduler=sched, train_loader=loader)
         PosixPath('ckpt/checkpoint_100')
     """
-    begin("save_state")
+    begin("save_state", arrive="arrival_timeout")  # named in time if some ranks never come
     st = state()
     scaler = scope().grad_scaler
     own: AccelError | None = None
@@ -407,7 +407,7 @@ def load_state(
         >>> info = accel.load_state("ckpt", missing_ok=True, model=model, optimizer=opt)
         >>> start = info.step if info else 0
     """
-    begin("load_state")
+    begin("load_state", arrive="arrival_timeout")  # named in time if some ranks never come
     finish_pending()  # an asynchronous save completes (or fails) before anything is read
     names, explicit = _agreed_candidates(directory, objects, missing_ok, on_each_node)
     # the engine's stand-ins (DeepSpeed's write into its engine when loaded)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from accel.comm._debug import check_signatures
+from accel.comm.arrival import ArrivalBound, check_arrival
 from accel.core.scope import scope
 from accel.core.state import ProcessState, current_gate, state
 from accel.core.tree import first_non_tensor, map_tensors, tensor_leaves
@@ -64,11 +65,16 @@ def refuse_gated(op: str) -> None:
         )
 
 
-def begin(op: str, data: Any = None, *, shapes: bool = True) -> ProcessState | None:
+def begin(
+    op: str, data: Any = None, *, shapes: bool = True, arrive: ArrivalBound | None = None
+) -> ProcessState | None:
     """Common entry of every collective.
 
-    Raises if called inside a gate or without a process group; runs the debug check. Returns
-    the state when communication is needed, ``None`` on a single process.
+    Raises if called inside a gate or without a process group; with ``arrive`` (the calls
+    every rank must make that are not per-step: ``save_state``, ``wait_for_everyone``...)
+    waits for every rank's arrival, at most ``state().<arrive>`` seconds
+    (:func:`~accel.comm.arrival.check_arrival`); runs the debug check. Returns the state when
+    communication is needed, ``None`` on a single process.
     """
     refuse_gated(op)
     st = state()
@@ -80,6 +86,8 @@ def begin(op: str, data: Any = None, *, shapes: bool = True) -> ProcessState | N
             "none is initialised. Run the code inside `with accel.distributed():` (it joins "
             "the group the launcher prepared)."
         )
+    if arrive is not None:
+        check_arrival(st, op, arrive)
     if st.debug:
         spec = [] if data is None else _spec(data, shapes=shapes)
         check_signatures(st, scope(), op, spec)
@@ -302,10 +310,15 @@ def pad_across_processes(
 def wait_for_everyone() -> None:
     """Block until every rank has reached this call.
 
+    Every rank must call it. A rank that never comes is named within the collective
+    ``timeout`` (:class:`~accel.errors.ArrivalTimeoutError`), and ranks that meet another call
+    every rank must make here (``save_state`` on one, ``wait_for_everyone`` on another) are
+    named at once (:class:`~accel.errors.CollectiveMismatchError`).
+
     Example:
         >>> accel.wait_for_everyone()  # e.g. before reading a file the main process wrote
     """
-    st = begin("wait_for_everyone")
+    st = begin("wait_for_everyone", arrive="timeout")
     if st is None:
         return
     if st.backend == "nccl" and st.device.type == "cuda":

@@ -170,7 +170,7 @@ def on_local_process(
 
 @contextmanager
 def _leader_first(op: str, local: bool) -> Iterator[None]:
-    begin(op)  # refuses to start inside a gate; this is a collective
+    begin(op, arrive="arrival_timeout")  # refuses to start inside a gate; a collective
     st = state()
     label = f"accel.{op}() block"
     if st.world_size == 1:

@@ -102,7 +102,7 @@ def join_uneven_inputs(
         ...         accel.backward(loss)
         ...         optimizer.step()
     """
-    begin("join_uneven_inputs")  # refuses to start inside a rank gate
+    begin("join_uneven_inputs", arrive="arrival_timeout")  # refuses inside a rank gate
     with _even_batches(even_batches):
         if state().world_size == 1:
             _as_joinables(joinables, single=True)  # refuse what N processes would refuse

@@ -83,6 +83,7 @@ class LaunchEnv:
     cpu: bool | None = None
     debug: bool | None = None
     timeout: float | None = None
+    arrival_timeout: float | None = None
     on_each_node: bool | None = None
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None

@@ -12,6 +12,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from accel.core.agreement import agree_on_settings, settings_of
 from accel.core.config_file import deepspeed_policy, load_config
 from accel.core.env import LaunchEnv, read_launch_env, read_variable
 from accel.core.exit_refs import final_barrier
@@ -140,6 +141,7 @@ def distributed(
     strategy: str | None = None,
     cpu: bool = False,
     timeout: float | datetime.timedelta | None = None,
+    arrival_timeout: float | datetime.timedelta | None = None,
     debug: bool | None = None,
     seed: int | None = None,
     on_each_node: bool | None = None,
@@ -178,6 +180,11 @@ def distributed(
         timeout: seconds (or a timedelta) before a collective gives up; default 30 minutes.
             A nested block can shorten it for accel's own waits (debug-mode checks); the
             process group keeps the timeout it was created with.
+        arrival_timeout: seconds (or a timedelta) a rank waits at ``save_state``,
+            ``load_state`` and ``main_process_first`` for the ranks that have not arrived,
+            before raising :class:`~accel.errors.ArrivalTimeoutError` naming them (the call
+            was made inside ``if accel.is_main_process:``); default 300 (5 minutes), also
+            ``ACCEL_ARRIVAL_TIMEOUT`` and the config key. See ``docs/collectives.md``.
         debug: check every collective's shapes on all ranks first (also ``ACCEL_DEBUG=1``).
         seed: seed python, numpy and torch RNGs identically on every rank.
         on_each_node: the default of ``save``, ``save_model``, ``save_state`` and
@@ -207,8 +214,15 @@ def distributed(
             ``fp8_module_filter`` (``fn(module, name) -> bool``: the layers to convert).
             Readable as ``accel.state().options``.
 
+    Every rank must enter it: the ranks then agree on what each resolved (mixed precision,
+    accumulation, strategy, debug, the mesh sizes, the cp method, the options, whether from
+    arguments, ``ACCEL_*`` variables or the config file) with one small collective, and a
+    nested block does the same when it sets any of them (``debug``, ``timeout`` or ``seed``
+    alone do not; see ``docs/state.md``, "Ranks that disagree").
+
     Raises:
-        ConfigError: an option or launch variable is invalid.
+        ConfigError: an option or launch variable is invalid, or the ranks resolved different
+            settings (on every rank, naming each key that differs and each rank's value).
 
     Example:
         >>> with accel.distributed(mixed_precision="bf16") as st:
@@ -225,6 +239,7 @@ def distributed(
         "strategy": strategy,
         "debug": debug,
         "timeout": timeout_s,
+        "arrival_timeout": _as_seconds(arrival_timeout),
     }
     sizes = {"dp_replicate_size": dp_replicate_size, "dp_shard_size": dp_shard_size,
              "cp_size": cp_size, "tp_size": tp_size, "pp_size": pp_size}
@@ -265,10 +280,23 @@ def _nested_block(
     )
     if seed is not None:  # recorded in the block's state, as for an outer block
         inner = attrs.evolve(inner, seed=seed)
+    if _changes_agreed(changes, options, on_each_node):
+        agree_on_settings("accel.distributed()", settings_of(inner), device=inner.device)
     with set_state(inner):
         if seed is not None:
             set_seed(seed)
         yield inner
+
+
+def _changes_agreed(
+    changes: Mapping[str, Any], options: Mapping[str, Any], on_each_node: bool | None
+) -> bool:
+    """Whether a nested block sets a run-wide setting the ranks must agree on (and is then
+    a collective): ``debug``, ``timeout`` and ``seed`` alone scope this rank only."""
+    agreed = ("mixed_precision", "gradient_accumulation_steps", "strategy")
+    return bool(options) or on_each_node is not None or any(
+        changes[key] is not None for key in agreed
+    )
 
 
 def _find_process(env: LaunchEnv, backend: str | None, use_cpu: bool) -> Place:
@@ -318,7 +346,6 @@ def _start(
     if process.backend is not None and not dist.is_initialized():
         _init_group(env, process.backend, policy["timeout"])
         created = True
-    mesh = build_mesh(device.type, shape) if shape is not None and world > 1 else None
     launched = world == env.world_size
     current = ProcessState(
         rank=process.rank,
@@ -333,10 +360,17 @@ def _start(
         on_each_node=bool(env.on_each_node) if on_each_node is None else on_each_node,
         options=options,
         mesh_shape=None if shape is None else shape.sizes(),
-        mesh=mesh,
         cp_method=method,
         **policy,
     )
+    try:  # before the mesh: ranks with different sizes would make different subgroups
+        agree_on_settings("accel.distributed()", settings_of(current), device=device)
+    except ConfigError:
+        if created:
+            _leave_after_error()  # no collective: every rank raises alike
+        raise
+    if shape is not None and world > 1:
+        current = attrs.evolve(current, mesh=build_mesh(device.type, shape))
     return current, created
 
 
@@ -402,8 +436,8 @@ def _run_block(current: ProcessState, created: bool, seed: int | None) -> Iterat
 
 _NAMED = (
     "backend", "mixed_precision", "gradient_accumulation_steps", "strategy", "cpu", "timeout",
-    "debug", "seed", "on_each_node", "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size",
-    "pp_size", "cp_method",
+    "arrival_timeout", "debug", "seed", "on_each_node", "dp_replicate_size", "dp_shard_size",
+    "tp_size", "cp_size", "pp_size", "cp_method",
 )
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "DDP_KEYWORDS",
     "FSDP_KEYS",
     "DEEPSPEED_KEYS",
+    "DEFAULT_ARRIVAL_TIMEOUT_S",
     "DEFAULT_CPU_PROCESSES",
     "DEFAULT_PORT",
     "DEFAULT_TIMEOUT_S",
@@ -138,6 +139,11 @@ DEFAULT_PORT = 29500
 """The rendezvous port when none is given and none can be chosen or derived."""
 DEFAULT_TIMEOUT_S = 1800.0
 """Seconds before a collective gives up, unless ``timeout`` says otherwise."""
+DEFAULT_ARRIVAL_TIMEOUT_S = 300.0
+"""Seconds a rank waits at ``save_state``/``load_state`` (and the other calls every rank must
+make that are not per-step) for the ranks that have not arrived before it names them, unless
+``arrival_timeout`` says otherwise: far above the usual skew between ranks reaching the same
+call, far below the collective ``timeout``."""
 DEFAULT_CPU_PROCESSES = 2
 """Processes per machine that the launchers start when there is no GPU and no count given."""
 ENV_PREFIX = "ACCEL_"
@@ -369,6 +375,11 @@ SETTINGS: Mapping[str, Spec] = {
     "timeout": Spec(
         "float", "seconds before a collective gives up", DEFAULT_TIMEOUT_S, minimum=0.0,
         layer="policy",
+    ),
+    "arrival_timeout": Spec(
+        "float", "seconds a rank waits at save_state/load_state/main_process_first for the "
+        "ranks that never arrive before naming them (a call inside `if is_main_process:`)",
+        DEFAULT_ARRIVAL_TIMEOUT_S, minimum=0.0, layer="policy",
     ),
     "on_each_node": Spec(
         "bool", "each machine's first process saves its own copy (no shared filesystem)", False,

@@ -19,6 +19,7 @@ import torch
 from accel.core.env import LaunchEnv, read_launch_env
 from accel.core.scope import Scope, enter_scope, leave_scope
 from accel.core.settings import (
+    DEFAULT_ARRIVAL_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     ENGINE_FACTS,
     MIXED_PRECISION_MODES,
@@ -75,6 +76,9 @@ class ProcessState:
     strategy: Strategy = "none"
     debug: bool = False
     timeout: float = DEFAULT_TIMEOUT_S
+    arrival_timeout: float = DEFAULT_ARRIVAL_TIMEOUT_S
+    """Seconds a rank waits at a call every rank must make (``save_state``, ``load_state``...)
+    for the others before naming those that never arrived (``accel.comm.arrival``)."""
     seed: int | None = None
     on_each_node: bool = False
     options: Mapping[str, Any] = attrs.field(
@@ -153,7 +157,7 @@ class ProcessState:
 
 # What to write instead of assigning to a state attribute.
 _NESTED = ("mixed_precision", "gradient_accumulation_steps", "strategy", "debug", "timeout",
-           "on_each_node")
+           "arrival_timeout", "on_each_node")
 _LAUNCH_FACTS = ("rank", "local_rank", "world_size", "local_world_size", "node_rank",
                  "num_nodes", "is_main_process", "is_local_main_process", "is_last_process",
                  "use_distributed", "tp_world_size", "tp_rank", "cp_world_size", "cp_rank",
@@ -279,6 +283,20 @@ def _choice(name: str, value: str, choices: tuple[str, ...], example: str) -> st
     return value
 
 
+def _seconds(name: str, raw: object, default: float, example: int) -> float:
+    """A positive, finite number of seconds (``default`` when ``raw`` is ``None``)."""
+    try:
+        value = default if raw is None else float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        value = -1.0
+    if isinstance(raw, bool) or not 0 < value < float("inf"):
+        raise ConfigError(
+            f"{name}={raw!r} must be a positive number of seconds, "
+            f"e.g. `accel.distributed({name}={example})`."
+        )
+    return value
+
+
 def resolve_policy(
     env: LaunchEnv,
     *,
@@ -288,6 +306,7 @@ def resolve_policy(
     strategy: str | None = None,
     debug: bool | None = None,
     timeout: float | None = None,
+    arrival_timeout: float | None = None,
 ) -> dict[str, Any]:
     """Resolve the policy fields: explicit argument, then the environment, then defaults."""
     mp = mixed_precision if mixed_precision is not None else env.mixed_precision
@@ -309,22 +328,20 @@ def resolve_policy(
             f"debug={debug!r} must be True or False, e.g. `accel.distributed(debug=True)`."
         )
     dbg = debug if debug is not None else bool(env.debug)
-    raw = timeout if timeout is not None else env.timeout
-    try:
-        to = DEFAULT_TIMEOUT_S if raw is None else float(raw)
-    except (TypeError, ValueError, OverflowError):
-        to = -1.0
-    if isinstance(raw, bool) or not 0 < to < float("inf"):
-        raise ConfigError(
-            f"timeout={raw!r} must be a positive number of seconds, "
-            "e.g. `accel.distributed(timeout=600)`."
-        )
+    to = _seconds("timeout", timeout if timeout is not None else env.timeout,
+                  DEFAULT_TIMEOUT_S, 600)
+    arrival = _seconds(
+        "arrival_timeout",
+        arrival_timeout if arrival_timeout is not None else env.arrival_timeout,
+        DEFAULT_ARRIVAL_TIMEOUT_S, 120,
+    )
     return {
         "mixed_precision": mp,
         "gradient_accumulation_steps": gas,
         "strategy": strat,
         "debug": dbg,
         "timeout": to,
+        "arrival_timeout": arrival,
     }
 
 

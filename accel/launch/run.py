@@ -147,6 +147,9 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
                         help="check every collective across ranks first")
     policy.add_argument("--timeout", type=float, metavar="S",
                         help="seconds before a collective gives up")
+    policy.add_argument("--arrival-timeout", "--arrival_timeout", type=float, metavar="S",
+                        help="seconds a rank waits at save_state/load_state for ranks that "
+                             "never come (a call inside `if is_main_process:`); default 300")
     mesh = parser.add_argument_group("device mesh (reach accel.distributed(); see "
                                      "docs/parallelism.md)")
     for size, what in (("dp_replicate", "data-parallel replicas (HSDP's replicate dim)"),
@@ -193,6 +196,7 @@ def command_line_settings(ns: argparse.Namespace) -> dict[str, object]:
         "cpu": get("cpu"),
         "debug": get("debug"),
         "timeout": get("timeout"),
+        "arrival_timeout": get("arrival_timeout"),
         **{key: get(key) for key in ("dp_replicate_size", "dp_shard_size", "tp_size",
                                      "cp_size", "pp_size", "cp_method")},
         **{key: get(key) for key in DEEPSPEED_KEYS},

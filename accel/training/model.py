@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from accel.core.agreement import agree_on_settings, settings_of
 from accel.core.options import BlockChoice, BlockSpec, blocks_option
 from accel.core.state import state
 from accel.errors import ArgumentTypeError
@@ -215,10 +216,15 @@ def prepare_model(
         The module to train with (the model itself, sharded in place under FSDP, a DDP
         wrapper, or a compiled module).
 
+    Every rank must call it (except with ``evaluation_mode=True``): the ranks first agree, with
+    one small collective, on the block's settings and these arguments (plans, schedule,
+    microbatches, options), see ``docs/state.md``, "Ranks that disagree".
+
     Raises:
         ConfigError: unknown strategy, unknown DDP/FSDP option, invalid option value, a
             ``shard_modules`` or ``activation_checkpointing`` class that occurs nowhere in the
-            model, or no blocks found for ``True``/``"regional"``.
+            model, or no blocks found for ``True``/``"regional"``; the ranks passed or
+            resolved different settings (on every rank, naming each one).
 
     Example:
         >>> with accel.distributed(mixed_precision="bf16"):
@@ -240,6 +246,16 @@ def prepare_model(
     engine.refuse_prepare_model()
     st = state()
     checkpointing = _checkpointing_choice(activation_checkpointing, st.options)
+    if not evaluation_mode:  # an evaluation copy makes no collective: one rank may make it
+        agree_on_settings("accel.prepare_model()", {
+            **settings_of(st), **strategy_options, "strategy": engine.name, "tp_plan": tp_plan,
+            "pp_plan": pp_plan, "pp_schedule": pp_schedule, "microbatches": microbatches,
+            "stages_per_rank": stages_per_rank, "compile": compile,
+            "device_placement": device_placement, "model": type(model),
+            "activation_checkpointing": (st.options.get("activation_checkpointing")
+                                         if activation_checkpointing is None
+                                         else activation_checkpointing),
+        }, device=st.device)  # one collective, before any engine or stage starts
 
     def convert(whole: nn.Module) -> None:  # fp8's layers, once the stage plan is checked
         _convert_modules(whole, engine, tp_plan, evaluation_mode, stages=True)

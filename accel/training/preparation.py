@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from accel.core.agreement import agreed_once, settings_of
 from accel.core.state import state
 from accel.parallel.engines.registry import engine_for
 from accel.parallel.fsdp_params import adopt_sharded_parameters
@@ -54,7 +55,10 @@ def prepare(*objects: Any) -> Any:
     then schedulers, whatever the argument order, so a scheduler finds its prepared
     optimizer. Results come back in the argument order. An optimizer made on a model that
     is sharded here (``strategy="fsdp"``) is moved onto the sharded parameters (Accelerate's
-    FSDP2 behaviour); an optimizer with state for them is refused.
+    FSDP2 behaviour); an optimizer with state for them is refused. Every rank must call it:
+    the ranks first agree on the block's settings and the objects' kinds with one small
+    collective (the engine's own settings where it prepares them together, as DeepSpeed's
+    config after its ``"auto"`` filling); a difference is a ``ConfigError`` on every rank.
 
     Args:
         *objects: models, optimizers, schedulers, data loaders, in any order.
@@ -67,14 +71,17 @@ def prepare(*objects: Any) -> Any:
         ...     model, optimizer, loader, scheduler
         ... )
     """
-    together = engine_for(state().strategy).prepare(objects, _prepare_one, _mark)
+    st = state()
+    together = engine_for(st.strategy).prepare(objects, _prepare_one, _mark)
     if together is not None:  # DeepSpeed: the model and its optimizer into one engine
         return _single(together)
     results: list[Any] = list(objects)
-    for index in sorted(range(len(objects)), key=lambda i: _kind(objects[i])):
-        if isinstance(objects[index], torch.optim.Optimizer):  # after every model
-            adopt_sharded_parameters(objects[index], objects)
-        results[index] = _prepare_one(objects[index])
+    kinds = {**settings_of(st), "objects": [type(obj) for obj in objects]}
+    with agreed_once("accel.prepare()", kinds, device=st.device):  # one collective per call
+        for index in sorted(range(len(objects)), key=lambda i: _kind(objects[i])):
+            if isinstance(objects[index], torch.optim.Optimizer):  # after every model
+                adopt_sharded_parameters(objects[index], objects)
+            results[index] = _prepare_one(objects[index])
     return _single(results)
 
 

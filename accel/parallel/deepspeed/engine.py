@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel.core.agreement import agree_on_settings, settings_of
 from accel.core.env import read_variable
 from accel.core.exit_refs import final_barrier
 from accel.core.scope import ScopeSlot, at_block_exit
@@ -221,7 +222,8 @@ def initialize(
 
     Raises:
         ConfigError: DeepSpeed missing, an invalid or unresolvable config, a second engine
-            in the block.
+            in the block; ranks whose configs differ once filled (every rank raises, naming
+            each key, e.g. ``deepspeed.train_micro_batch_size_per_gpu``).
 
     Example:
         >>> run = initialize(model, optimizer, [loader])
@@ -254,6 +256,12 @@ def initialize(
     resolved = resolve_config(config, facts)
     ds = start_deepspeed()
     final = prefer_torch_adam(resolved.config, st.device.type)  # no build on a CPU
+    agree_on_settings("accel.prepare() (deepspeed.initialize)", {
+        **settings_of(st), "deepspeed": final, "model": type(model),
+        "optimizer": None if optimizer is None else type(optimizer),
+        "scheduler": None if scheduler is None else type(scheduler),
+        "gradient clipping from the loop": resolved.clip_from_loop,
+    }, device=st.device)  # the config as filled, before DeepSpeed's first collective
     warn_builds(final, client_optimizer=optimizer is not None)
     kwargs: dict[str, Any] = {"model": model, "config": final}
     groups = (

@@ -76,6 +76,8 @@ def test_nested_block_cannot_change_the_group() -> None:
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0"),
         ({"strategy": "zero3"}, "strategy='zero3'"),
         ({"timeout": -1}, "timeout=-1"),
+        ({"arrival_timeout": 0}, "arrival_timeout=0"),
+        ({"arrival_timeout": "soon"}, "arrival_timeout='soon'"),
     ],
 )
 def test_bad_options_are_clear_errors(kwargs: dict[str, object], match: str) -> None:
@@ -86,7 +88,8 @@ def test_bad_options_are_clear_errors(kwargs: dict[str, object], match: str) -> 
 
 
 def test_environment_fills_options_not_passed() -> None:
-    env = LaunchEnv(mixed_precision="fp16", gradient_accumulation_steps=3, debug=True)
+    env = LaunchEnv(mixed_precision="fp16", gradient_accumulation_steps=3, debug=True,
+                    arrival_timeout=20.0)
     policy = resolve_policy(env, world_size=2)
     assert policy == {
         "mixed_precision": "fp16",
@@ -94,7 +97,9 @@ def test_environment_fills_options_not_passed() -> None:
         "strategy": "ddp",
         "debug": True,
         "timeout": 1800.0,
+        "arrival_timeout": 20.0,
     }
+    assert resolve_policy(LaunchEnv(), world_size=2)["arrival_timeout"] == 300.0
     explicit = resolve_policy(env, world_size=2, mixed_precision="bf16", debug=False)
     assert explicit["mixed_precision"] == "bf16" and explicit["debug"] is False
 
