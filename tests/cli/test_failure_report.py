@@ -172,6 +172,7 @@ SCRIPTS = {
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra  # whole launches: ~2 s each
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_a_launched_worker_failure_is_reported(tmp_path: Path, script: str) -> None:
     # one worker, no torch imported in it: the launcher's report end to end in ~2 s

@@ -69,6 +69,7 @@ def _kill_all(pids: list[int]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra  # a whole launch killed
 def test_sigkill_of_accel_launch_ends_every_worker(tmp_path: Path) -> None:
     script = write_script(tmp_path, SLEEPER, "sleeper.py")
     launched = Launched(["--nproc-per-node", "2", str(script)], tmp_path)
@@ -86,6 +87,7 @@ def test_sigkill_of_accel_launch_ends_every_worker(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra  # a whole notebook launch killed
 def test_sigkill_of_a_notebook_launchers_parent_ends_every_worker(tmp_path: Path) -> None:
     script = write_script(tmp_path, NOTEBOOK, "notebook.py")
     parent = subprocess.Popen(

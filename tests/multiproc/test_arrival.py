@@ -44,6 +44,7 @@ def _gated_save(root: str) -> None:
     _step(model, opt)  # rank 1 blocks in this backward's all-reduce, which rank 0 never joins
 
 
+@pytest.mark.ci_extra  # waits out a 2 s bound, then the peer's end: ~12 s
 def test_a_save_state_inside_if_is_main_process_is_named_and_the_run_ends(
     tmp_path: Path,
 ) -> None:

@@ -67,6 +67,7 @@ def _body() -> dict[str, str]:
 
 
 @pytest.mark.slow  # four engines started and refused, one trained: ~5 s
+@pytest.mark.ci_extra
 def test_deepspeed_ranks_that_disagree_raise_on_every_rank() -> None:
     out = run_distributed(_body, world_size=2, timeout=90, strategy="deepspeed")
     assert out[0] == out[1]

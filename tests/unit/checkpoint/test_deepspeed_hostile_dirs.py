@@ -213,6 +213,7 @@ def _bounded(cases: dict[str, tuple[str, str, str]], timeout: float = 120) -> di
 
 
 @pytest.mark.slow  # one child process importing torch (~4 s on 2 idle cores)
+@pytest.mark.ci_extra
 def test_stride_zero_views_are_refused_before_anything_is_allocated(tmp_path: Path) -> None:
     huge = torch.zeros(1).expand(2**30)  # 4 GiB of float32 from one stored value
     zero0 = _write(tmp_path / "zero0", module_w=huge, stage=0)
