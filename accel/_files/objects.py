@@ -19,15 +19,10 @@ import torch
 
 from accel._files.encode import decode, encode
 from accel._files.format import read_safetensors
-from accel._files.safe_io import (
-    MAX_JSON_BYTES,
-    MAX_JSON_DEPTH,
-    json_depth,
-    load_json,
-    read_declared,
-)
+from accel._files.safe_io import MAX_JSON_BYTES, MAX_JSON_DEPTH, load_json, read_declared
 from accel._files.values import check_recorded, dtype_names
 from accel._files.writer import PlannedFile, plan_bytes, plan_safetensors
+from accel.core.strict_json import json_depth
 from accel.errors import CheckpointError
 
 __all__ = ["Entry", "plan_object", "read_checked", "read_object", "read_structure"]
@@ -73,7 +68,7 @@ def _check_readable(name: str, body: bytes) -> None:
     """Refuse to write a structure file that loading would refuse (too large or too deep)."""
     if len(body) > MAX_JSON_BYTES:
         problem = f"is {len(body)} bytes of JSON, more than the {MAX_JSON_BYTES} accel reads"
-    elif json_depth(body) > MAX_JSON_DEPTH:
+    elif json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         problem = f"nests more than {MAX_JSON_DEPTH} levels deep"
     else:
         return

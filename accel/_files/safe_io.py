@@ -24,19 +24,18 @@ every file accel opens in one is handled as hostile:
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import stat
 from collections.abc import Callable
 from typing import Any
 
+from accel.core.strict_json import parse_json
 from accel.errors import CheckpointError
 
 __all__ = [
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
-    "json_depth",
     "load_json",
     "open_lock",
     "open_regular",
@@ -60,8 +59,6 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _BINARY = getattr(os, "O_BINARY", 0)  # Windows: no newline translation
 _CHUNK = 8 << 20  # bytes per read() and per slice of the nesting scan
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # a JSON string literal
-_NOT_MARK = bytes(b for b in range(256) if b not in b'[]{}"')
 _LOCK_TEXT = re.compile(rb"(pid [0-9]+ on [^\n]*\n)?")
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -269,35 +266,6 @@ def pread_into(fd: int, buffer: memoryview, offset: int) -> int:
     return len(data)
 
 
-def json_depth(data: bytes, limit: int = MAX_JSON_DEPTH) -> int:
-    """How deeply the arrays and objects of the JSON text ``data`` nest (brackets inside
-    strings do not count), found without recursion; counting stops once past ``limit``.
-
-    Example:
-        >>> json_depth(b'{"a": [[1], "]]]"]}')
-        3
-    """
-    import numpy as np
-
-    if b"\\" in data:  # escapes (only valid inside strings) may hide quotes: drop strings
-        data = _STRING.sub(b'""', data)
-    marks = data.translate(None, _NOT_MARK)  # only [ ] { } and quotes are left
-    deepest, level, quoted = 0, 0, 0
-    for start in range(0, len(marks), _CHUNK):
-        codes = np.frombuffer(marks, dtype=np.uint8, count=min(_CHUNK, len(marks) - start),
-                              offset=start)
-        quote = codes == 0x22
-        inside = (np.cumsum(quote, dtype=np.uint8) + quoted) & 1  # parity wraps safely
-        # '[' 0x5b and '{' 0x7b have bit 1 set, ']' 0x5d and '}' 0x7d do not: +1 / -1
-        step = ((codes & 2).view(np.int8) - 1) * ~(quote | (inside == 1))
-        levels = np.cumsum(step, dtype=np.int32) + level  # |level| <= MAX_JSON_BYTES
-        deepest = max(deepest, int(levels.max()))
-        level, quoted = int(levels[-1]), int(inside[-1])
-        if deepest > limit:
-            break
-    return deepest
-
-
 def _default_error(problem: str) -> CheckpointError:
     return CheckpointError(
         f"A checkpoint file is invalid: {problem}. It is corrupted or was not written by "
@@ -320,45 +288,10 @@ def load_json(
     """
     if len(data) > MAX_JSON_BYTES:
         raise error(f"it is {len(data)} bytes, more than the {MAX_JSON_BYTES} accel reads")
-    # fewer brackets than the bound cannot nest deeper than it: no scan (most files)
-    few = data.count(b"[") + data.count(b"{") <= MAX_JSON_DEPTH
-    depth = 0 if few else json_depth(data)
-    if depth > MAX_JSON_DEPTH:
-        raise error(
-            f"its arrays and objects nest more than {MAX_JSON_DEPTH} levels deep "
-            f"(at least {depth}), far beyond anything accel writes"
-        )
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        table = dict(items)
-        if len(table) != len(items):
-            seen: set[str] = set()
-            for key, _ in items:
-                if key in seen:
-                    raise error(f"an object holds the key {key!r:.80} twice")
-                seen.add(key)
-        return table
-
-    def constant(name: str) -> float:
-        raise error(f"it holds {name}, which is not JSON and which accel never writes")
-
-    def number(text: str) -> float:
-        value = float(text)
-        if value in (float("inf"), float("-inf")):
-            raise error(f"the number {text:.40} is too large for a float")
-        return value
-
-    try:
-        # decoded here: json.loads would also take UTF-16/32, which the byte scan above
-        # cannot measure
-        text = data.decode("utf-8")
-        return json.loads(
-            text, object_pairs_hook=pairs, parse_constant=constant, parse_float=number
-        )
-    except CheckpointError:
-        raise
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise error(f"it is not valid UTF-8 JSON ({exc})") from None
+    return parse_json(
+        data, error, max_depth=MAX_JSON_DEPTH, depth_note=", far beyond anything accel writes",
+        constant_note=" and which accel never writes",
+    )
 
 
 def open_lock(path: str | os.PathLike[str]) -> int:

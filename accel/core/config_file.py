@@ -17,10 +17,7 @@ settings (read where nothing else sets them, under ``strategy="deepspeed"``), an
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,6 +25,7 @@ from typing import Any
 
 from accel.core.env import LaunchEnv, read_launch_env, read_variable
 from accel.core.settings import SETTINGS, toml_value, validate_setting
+from accel.core.strict_json import parse_json
 from accel.errors import ConfigError
 
 __all__ = [
@@ -254,8 +252,6 @@ _KINDS = (
     (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
     (stat.S_ISSOCK, "a socket"),
 )
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # a JSON string literal
-_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
 
 
 def _check_file(where: str, found: os.stat_result, limit: int) -> None:
@@ -295,74 +291,11 @@ def _read_regular(where: str, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def _json_depth(text: str, limit: int) -> int:
-    """How deeply the arrays and objects of the JSON ``text`` nest (brackets in strings do
-    not count), found without recursion; counting stops once past ``limit``.
-
-    Example:
-        >>> _json_depth('{"a": [[1], "]]]"]}', 64)
-        3
-    """
-    marks = _NOT_BRACKETS.sub("", _STRING.sub("", text))
-    deepest = level = 0
-    for mark in marks:
-        level += 1 if mark in "[{" else -1
-        if level > deepest:
-            deepest = level
-            if deepest > limit:
-                break
-    return deepest
-
-
 def _refused(where: str, what: str) -> ConfigError:
     return ConfigError(
         f"deepspeed_config={where!r} is not a valid DeepSpeed JSON config: {what}. Fix "
         f"the file; a DeepSpeed config is one JSON object, e.g. {_DS_OBJECT}."
     )
-
-
-def _parse_strict_json(text: str, where: str) -> Any:
-    """Parse JSON that may be hostile (the text of the file ``where``); a refusal is a
-    ``ConfigError`` naming the file and what was wrong.
-
-    Refused: nesting deeper than :data:`DEEPSPEED_CONFIG_MAX_DEPTH` (measured before
-    parsing), a key twice in one object, ``NaN``/``Infinity`` or a number too large for a
-    float, anything else that is not JSON.
-
-    Example:
-        >>> _parse_strict_json('{"a": 1}', "ds.json")
-        {'a': 1}
-    """
-    limit = DEEPSPEED_CONFIG_MAX_DEPTH
-    if _json_depth(text, limit) > limit:
-        raise _refused(where, f"its arrays and objects nest more than {limit} levels deep")
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        table = dict(items)
-        if len(table) != len(items):
-            seen: set[str] = set()
-            for key, _ in items:
-                if key in seen:
-                    raise _refused(where, f"an object holds the key {key!r:.80} twice")
-                seen.add(key)
-        return table
-
-    def constant(name: str) -> float:
-        raise _refused(where, f"it holds {name}, which is not JSON")
-
-    def number(digits: str) -> float:
-        value = float(digits)
-        if not math.isfinite(value):
-            raise _refused(where, f"the number {digits:.40} is too large for a float")
-        return value
-
-    try:
-        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant,
-                          parse_float=number)
-    except ConfigError:
-        raise
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, an int of 5000 digits
-        raise _refused(where, f"it is not valid JSON ({exc})") from None
 
 
 def load_deepspeed_json(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -371,9 +304,9 @@ def load_deepspeed_json(path: str | os.PathLike[str]) -> dict[str, Any]:
     Only a regular file is opened (checked with ``stat`` first, and again on the descriptor,
     opened without blocking: a FIFO or ``/dev/zero`` is refused unread), at most
     :data:`DEEPSPEED_CONFIG_MAX_BYTES` bytes are read, and the text must be UTF-8 JSON holding
-    one object (:func:`_parse_strict_json`: bounded nesting, no key twice, no ``NaN``). The
-    engine (``accel.parallel.deepspeed.config``) and :func:`deepspeed_policy` both read
-    through it.
+    one object (``accel.core.strict_json.parse_json``: bounded nesting, no key twice, no
+    ``NaN``). The engine (``accel.parallel.deepspeed.config``) and :func:`deepspeed_policy`
+    both read through it.
 
     Raises:
         ConfigError: what is wrong with the file, naming it.
@@ -391,14 +324,16 @@ def load_deepspeed_json(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"path of your DeepSpeed JSON config, e.g. {_DS_EXAMPLE}."
         ) from None
     try:
-        text = data.decode("utf-8")
+        data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"deepspeed_config={where!r} is not UTF-8 text: byte "
             f"{data[exc.start:exc.start + 1]!r} at offset {exc.start} cannot be decoded. A "
             "DeepSpeed config is UTF-8 JSON; save it as UTF-8."
         ) from None
-    config = _parse_strict_json(text, where)
+    config = parse_json(
+        data, lambda what: _refused(where, what), max_depth=DEEPSPEED_CONFIG_MAX_DEPTH
+    )
     if not isinstance(config, dict):
         raise ConfigError(
             f"deepspeed_config={where!r} holds a {type(config).__name__}, not a JSON "

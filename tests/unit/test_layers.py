@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     )),
     ("config file", ("accel.core.config_file",)),
     ("environment", ("accel.core.env",)),
-    ("settings", ("accel.core.settings",)),
+    ("settings", ("accel.core.settings", "accel.core.strict_json")),
     ("errors", ("accel.errors",)),
 ]
 _FEATURES = [name for name, _ in LAYERS].index("features")

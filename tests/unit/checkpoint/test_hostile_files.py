@@ -31,12 +31,12 @@ import accel
 from accel._files.format import read_safetensors
 from accel._files.safe_io import (
     MAX_JSON_DEPTH,
-    json_depth,
     load_json,
     open_write,
     read_bounded,
     read_declared,
 )
+from accel.core.strict_json import json_depth
 from accel.errors import CheckpointError
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
