@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from accel.comm._debug import check_signatures
-from accel.comm.arrival import ArrivalBound, check_arrival
+from accel.core.arrival import ArrivalBound, check_arrival
 from accel.core.scope import scope
 from accel.core.state import ProcessState, current_gate, state
 from accel.core.tree import first_non_tensor, map_tensors, tensor_leaves
@@ -73,7 +73,7 @@ def begin(
     Raises if called inside a gate or without a process group; with ``arrive`` (the calls
     every rank must make that are not per-step: ``save_state``, ``wait_for_everyone``...)
     waits for every rank's arrival, at most ``state().<arrive>`` seconds
-    (:func:`~accel.comm.arrival.check_arrival`); runs the debug check. Returns the state when
+    (:func:`~accel.core.arrival.check_arrival`); runs the debug check. Returns the state when
     communication is needed, ``None`` on a single process.
     """
     refuse_gated(op)

@@ -37,8 +37,9 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from accel.core.arrival import check_arrival
 from accel.core.scope import ScopeSlot
-from accel.core.state import ProcessState, current_gate
+from accel.core.state import ProcessState, current_gate, state
 from accel.errors import ConfigError
 
 __all__ = ["agree_on_settings", "agreed_once", "describe", "disagreement", "settings_of"]
@@ -142,7 +143,9 @@ def _exchange_device(device: torch.device) -> torch.device:
     return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def agree_on_settings(call: str, values: Mapping[str, Any], *, device: torch.device) -> None:
+def agree_on_settings(
+    call: str, values: Mapping[str, Any], *, device: torch.device, st: ProcessState | None = None
+) -> None:
     """Raise on every rank when the ranks resolved different ``values`` for ``call``.
 
     A collective: every rank must call it, in the same order as its other collectives. One
@@ -154,6 +157,8 @@ def agree_on_settings(call: str, values: Mapping[str, Any], *, device: torch.dev
         call: what is being agreed on, as the user wrote it (``"accel.prepare_model()"``).
         values: setting name -> value (described by :func:`describe`).
         device: this rank's device (the exchange runs there under nccl, else on the CPU).
+        st: the state whose ``arrival_timeout`` bounds the wait for the other ranks (default
+            ``accel.state()``; ``distributed()`` passes the block's before it is set).
 
     Raises:
         ConfigError: the ranks differ; names each key that differs and each rank's value.
@@ -165,6 +170,10 @@ def agree_on_settings(call: str, values: Mapping[str, Any], *, device: torch.dev
         return
     if current_gate() is not None or _SETTLED.get() is not None:
         return
+    # a rank that never makes the call (it sits in `if is_main_process:`) is named within
+    # arrival_timeout instead of leaving the others in the all_gather
+    check_arrival(state() if st is None else st, call.removeprefix("accel.").split("(")[0],
+                  "arrival_timeout")
     data = _canonical(values)
     where = _exchange_device(device)
     world = dist.get_world_size()

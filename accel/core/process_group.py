@@ -43,7 +43,7 @@ from accel.core.state import (
     set_state,
     state,
 )
-from accel.errors import ConfigError
+from accel.errors import CollectiveMismatchError, CollectiveTimeoutError, ConfigError
 
 __all__ = ["distributed"]
 
@@ -281,7 +281,9 @@ def _nested_block(
     if seed is not None:  # recorded in the block's state, as for an outer block
         inner = attrs.evolve(inner, seed=seed)
     if _changes_agreed(changes, options, on_each_node):
-        agree_on_settings("accel.distributed()", settings_of(inner), device=inner.device)
+        agree_on_settings(
+            "accel.distributed()", settings_of(inner), device=inner.device, st=inner
+        )
     with set_state(inner):
         if seed is not None:
             set_seed(seed)
@@ -364,8 +366,10 @@ def _start(
         **policy,
     )
     try:  # before the mesh: ranks with different sizes would make different subgroups
-        agree_on_settings("accel.distributed()", settings_of(current), device=device)
-    except ConfigError:
+        agree_on_settings(
+            "accel.distributed()", settings_of(current), device=device, st=current
+        )
+    except (ConfigError, CollectiveTimeoutError, CollectiveMismatchError):
         if created:
             _leave_after_error()  # no collective: every rank raises alike
         raise

@@ -78,7 +78,7 @@ class ProcessState:
     timeout: float = DEFAULT_TIMEOUT_S
     arrival_timeout: float = DEFAULT_ARRIVAL_TIMEOUT_S
     """Seconds a rank waits at a call every rank must make (``save_state``, ``load_state``...)
-    for the others before naming those that never arrived (``accel.comm.arrival``)."""
+    for the others before naming those that never arrived (``accel.core.arrival``)."""
     seed: int | None = None
     on_each_node: bool = False
     options: Mapping[str, Any] = attrs.field(

@@ -120,7 +120,8 @@ def test_mismatched_calls_are_named_on_every_rank_and_the_normal_path_is_unchang
                               arrival_timeout=1)
     for rank, out in enumerate(results):
         assert out["loaded_step"] == 1 and out["done"] is True, (rank, out)
-        assert out["calls"] == 5 and out["left"] == [5], (rank, out)  # the last call's only
+        # distributed()'s settings agreement, save, load, 3 waits; the last call's keys only
+        assert out["calls"] == 6 and out["left"] == [6], (rank, out)
         mismatch = out["mismatch"]
         assert "rank 0: accel.save_state()" in mismatch, (rank, mismatch)
         assert "rank 1: accel.load_state()" in mismatch, (rank, mismatch)
@@ -143,3 +144,27 @@ def test_a_rank_missing_at_wait_for_everyone_is_named_within_the_collective_time
         run_distributed(_wait_alone, world_size=2, timeout=45, arrival_timeout=1)
     assert "ranks [1] never arrived" in str(info.value)
     assert "timeout=2.0" in str(info.value)
+
+
+def _prepare_on_rank_0_only() -> str:
+    if accel.state().rank == 0:  # `if is_main_process:` around a call every rank must make
+        try:
+            accel.prepare_model(nn.Linear(2, 2))
+        except CollectiveMismatchError as error:
+            return str(error)
+        return "no error"
+    try:
+        accel.wait_for_everyone()  # rank 1 went on to the next call every rank must make
+    except CollectiveMismatchError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_prepare_model_on_one_rank_only_is_named_instead_of_hanging_in_the_agreement() -> None:
+    # the ranks' settings agreement in prepare_model is a collective: rank 0 alone in it
+    # would wait until the collective timeout; its arrival check names both calls at once
+    results = run_distributed(_prepare_on_rank_0_only, world_size=2, timeout=45,
+                              arrival_timeout=30)
+    for message in results:
+        assert "rank 0: accel.prepare_model()" in message, message
+        assert "rank 1: accel.wait_for_everyone()" in message, message

@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "accel.core", "accel.core.state", "accel.core.scope", "accel.core.options",
         "accel.core.mesh", "accel.core.seeding", "accel.core.tree", "accel.core.sizes",
         "accel.core.lazy", "accel.core.exit_refs", "accel.core.once", "accel.core.agreement",
+        "accel.core.arrival",
     )),
     ("config file", ("accel.core.config_file",)),
     ("environment", ("accel.core.env",)),
