@@ -102,3 +102,27 @@ def test_accel_variables_that_differ_per_rank_are_named(tmp_path: Path) -> None:
     same = run_script(HERE / "agreement_env_script.py", "same", world_size=2, timeout=60,
                       cwd=tmp_path, env=env)
     assert all("agreed: 3" in out for out in same.stdout), same.stdout
+
+
+def _fsdp_body() -> dict[str, str]:
+    """FSDP2: ranks given different sharding options (the block's, and prepare_model's) are
+    named before any rank shards."""
+    rank = accel.state().rank
+    said = {
+        "block": _error(_nested, reshard_after_forward=rank == 0),
+        "prepare_model": _error(accel.prepare_model, nn.Linear(4, 4),
+                                cpu_offload=rank == 1),
+    }
+    model = accel.prepare_model(nn.Linear(4, 4))  # agreeing ranks still shard
+    said["agreed"] = type(model).__name__
+    return said
+
+
+def test_fsdp_ranks_that_disagree_raise_on_every_rank() -> None:
+    out = run_distributed(_fsdp_body, world_size=2, timeout=60, strategy="fsdp")
+    assert out[0] == out[1]
+    said = out[0]
+    assert "ranks disagree on reshard_after_forward: rank 0 True, rank 1 False" in said["block"]
+    assert "accel.prepare_model()" in said["prepare_model"]
+    assert "cpu_offload: rank 0 False, rank 1 True" in said["prepare_model"]
+    assert said["agreed"].startswith("FSDP")
