@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -35,6 +33,7 @@ from torch import nn
 import accel
 from accel.cli.main import main
 from accel.errors import CheckpointError
+from tests.unit.checkpoint._bounded_child import run_cases
 
 TAG = "global_step3"
 
@@ -197,19 +196,8 @@ _BOUNDED = textwrap.dedent(
 def _bounded(cases: dict[str, tuple[str, str, str]], timeout: float = 120) -> dict[str, Any]:
     """Run each ``name: (op, path, out)`` in one bounded child; ``[outcome, message]`` each."""
     env = {**os.environ, "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1"}
-    try:
-        done = subprocess.run([sys.executable, "-c", _BOUNDED, json.dumps(cases)],
-                              capture_output=True, text=True, timeout=timeout, env=env,
-                              check=False)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        pytest.fail(f"a hostile DeepSpeed directory hung the reader for {timeout}s: {out}")
-    results: dict[str, Any] = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("{"):
-            results.update(json.loads(line))
-    assert set(results) == set(cases), (done.returncode, done.stdout, done.stderr[-3000:])
-    return results
+    return run_cases(_BOUNDED, cases, timeout=timeout, env=env,
+                     what="a hostile DeepSpeed directory")
 
 
 @pytest.mark.slow  # one child process importing torch (~4 s on 2 idle cores)

@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 import warnings
 import zlib
 from pathlib import Path
@@ -38,6 +36,7 @@ from accel._files.safe_io import (
 )
 from accel.core.strict_json import json_depth
 from accel.errors import CheckpointError
+from tests.unit.checkpoint._bounded_child import run_cases
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 
@@ -125,20 +124,7 @@ def _bounded(cases: dict[str, tuple[str, str]], timeout: float = 120) -> dict[st
     """Run each ``name: (op, path)`` in one child limited to 3 GiB of address space and
     ``timeout`` seconds; each result is ``[outcome, warnings]``."""
     env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", _CHILD, json.dumps(cases)],
-            capture_output=True, text=True, timeout=timeout, env=env, check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        pytest.fail(f"a hostile checkpoint hung the reader for {timeout}s; finished: {out}")
-    results: dict[str, Any] = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("{"):
-            results.update(json.loads(line))
-    assert set(results) == set(cases), (done.returncode, done.stdout, done.stderr[-3000:])
-    return results
+    return run_cases(_CHILD, cases, timeout=timeout, env=env, what="a hostile checkpoint")
 
 
 def _fifo(path: Path) -> None:
