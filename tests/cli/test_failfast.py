@@ -61,6 +61,7 @@ def _launch(tmp_path: Path, raise_on: tuple[int, ...], *options: str, bound: flo
     return f"exit code {done.returncode}\n{done.stdout}"
 
 
+@pytest.mark.ci_extra  # a whole launch of ~8 s
 def test_a_raising_rank_ends_the_job_and_is_named_as_the_failure(tmp_path: Path) -> None:
     out = _launch(tmp_path, (0,), bound=FAIL_BOUND_S)
     assert out.startswith("exit code 1\n"), out
@@ -214,6 +215,7 @@ with accel.distributed(pp_size=2) as st:
 '''
 
 
+@pytest.mark.ci_extra  # a whole launch of ~8 s
 def test_a_raising_pipeline_stage_ends_the_job_and_is_named(tmp_path: Path) -> None:
     # the first stage raises in its forward, inside torch's schedule: its own error (not
     # torch's "[Stage 0] failed to run forward" wrapper) names it; rank 1 stops waiting
