@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from accel.core.settings import ENGINE_FACTS, EngineFacts
+from accel.core.engine_facts import ENGINE_FACTS, EngineFacts
 from accel.errors import ConfigError
 
 if TYPE_CHECKING:

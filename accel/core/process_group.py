@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from accel.core.agreement import agree_on_settings, settings_of
 from accel.core.config_file import deepspeed_policy, load_config
+from accel.core.engine_facts import ENGINE_FACTS, SHARDING_ENGINE, EngineFacts
 from accel.core.env import LaunchEnv, read_launch_env, read_variable
 from accel.core.exit_refs import final_barrier
 from accel.core.mesh import SIZE_KEYS, build_mesh, mesh_shape
@@ -25,12 +26,9 @@ from accel.core.settings import (
     CP_METHODS,
     DDP_CONFIG_KEYS,
     DEFAULT_PORT,
-    ENGINE_FACTS,
     MODEL_KEYS,
     POLICY_KEYS,
-    SHARDING_ENGINE,
     CpMethod,
-    EngineFacts,
     env_variable,
     validate_setting,
 )

@@ -35,13 +35,10 @@ __all__ = [
     "DEFAULT_CPU_PROCESSES",
     "DEFAULT_PORT",
     "DEFAULT_TIMEOUT_S",
-    "ENGINE_FACTS",
-    "SHARDING_ENGINE",
     "ENV_PREFIX",
     "FALSE_WORDS",
     "FP8_RECIPES",
     "MIXED_PRECISION_MODES",
-    "EngineFacts",
     "MODEL_KEYS",
     "OFFLOAD_DEVICES",
     "POLICY_KEYS",
@@ -58,7 +55,6 @@ __all__ = [
     "allowed",
     "check_power_sgd_options",
     "cpu_count",
-    "declare_engine",
     "did_you_mean",
     "env_variable",
     "parse_bool",
@@ -73,61 +69,10 @@ CP_METHODS: tuple[str, ...] = get_args(CpMethod)
 """How attention is split under context parallelism: heads all-to-all, or torch's ring."""
 MIXED_PRECISION_MODES: tuple[str, ...] = get_args(MixedPrecision)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
-"""The built-in engines (``strategy=``); :data:`ENGINE_FACTS` also holds registered ones."""
+"""The built-in engines (``strategy=``); ``accel.core.engine_facts.ENGINE_FACTS`` also holds
+registered ones."""
 
 
-@attrs.frozen
-class EngineFacts:
-    """What the layers below the engines must know of an engine before it runs.
-
-    ``distributed()`` (in ``accel.core``) shapes the mesh and resolves the policy before any
-    engine unit is imported, so each engine declares these facts here; everything else an
-    engine does lives in its unit (``accel.parallel.engines``).
-
-    Example:
-        >>> ENGINE_FACTS["fsdp"].shards_parameters
-        True
-    """
-
-    shards_parameters: bool = False
-    """Its data-parallel dim shards parameters (``dp_shard_size`` > 1 is its own)."""
-    mesh_refusal: str | None = None
-    """Why it does not run under pipeline, context or tensor-parallel dims (``None``: it
-    does)."""
-    package: str | None = None
-    """The distribution it needs installed, checked at ``distributed()`` (``None``: torch)."""
-    extra: str | None = None
-    """accel's extra that installs :attr:`package`, for the message."""
-    policy_option: str | None = None
-    """The ``distributed()`` keyword whose engine config may set ``mixed_precision`` and
-    ``gradient_accumulation_steps`` where nothing else did (DeepSpeed's JSON)."""
-
-
-ENGINE_FACTS: dict[str, EngineFacts] = {
-    "none": EngineFacts(),
-    "ddp": EngineFacts(),
-    "fsdp": EngineFacts(shards_parameters=True),
-    "deepspeed": EngineFacts(
-        mesh_refusal="DeepSpeed's ZeRO partitions over every process and accel does not "
-        "compose it with pipeline, context or tensor parallelism",
-        package="deepspeed", extra="deepspeed", policy_option="deepspeed_config",
-    ),
-}
-"""Each ``strategy`` name and its facts; ``accel.parallel.engines.register_engine`` adds an
-engine's (through :func:`declare_engine`)."""
-
-
-SHARDING_ENGINE = "fsdp"
-"""The engine a block gets when only its mesh shards parameters (``dp_shard_size`` > 1)."""
-
-
-def declare_engine(name: str, facts: EngineFacts) -> None:
-    """Make ``name`` a ``strategy`` choice with ``facts`` (called by ``register_engine``).
-
-    Example:
-        >>> declare_engine("toy", EngineFacts())
-    """
-    ENGINE_FACTS[name] = facts
 BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
 """The ``torch.distributed`` backends ``backend=`` accepts."""
 

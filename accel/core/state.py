@@ -16,12 +16,12 @@ from typing import Any, NoReturn
 import attrs
 import torch
 
+from accel.core.engine_facts import ENGINE_FACTS
 from accel.core.env import LaunchEnv, read_launch_env
 from accel.core.scope import Scope, enter_scope, leave_scope
 from accel.core.settings import (
     DEFAULT_ARRIVAL_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
-    ENGINE_FACTS,
     MIXED_PRECISION_MODES,
     CpMethod,
     MixedPrecision,

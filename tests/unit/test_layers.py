@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     )),
     ("config file", ("accel.core.config_file",)),
     ("environment", ("accel.core.env",)),
-    ("settings", ("accel.core.settings", "accel.core.strict_json")),
+    ("settings", ("accel.core.settings", "accel.core.strict_json", "accel.core.engine_facts")),
     ("errors", ("accel.errors",)),
 ]
 _FEATURES = [name for name, _ in LAYERS].index("features")

@@ -5,12 +5,12 @@ Adding an engine is its unit (an :class:`~accel.parallel.engines.base.Engine` su
 own module or package) plus one entry here, or one :func:`register_engine` call from outside
 accel (a test's engine). The facts ``distributed()`` needs before any unit is imported (does it
 shard, does it run under mesh dims, which package it needs) are declared with the name in
-``accel.core.settings.ENGINE_FACTS``.
+``accel.core.engine_facts.ENGINE_FACTS``.
 """
 
 from __future__ import annotations
 
-from accel.core.settings import EngineFacts, declare_engine
+from accel.core.engine_facts import EngineFacts, declare_engine
 from accel.errors import ConfigError
 from accel.parallel.engines.base import Engine
 from accel.parallel.engines.ddp import DDP
