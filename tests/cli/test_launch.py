@@ -143,6 +143,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra  # a whole launch: ~5-8 s
 def test_two_machines_on_one_host_train_together(tmp_path: Path) -> None:
     write_script(tmp_path)
     env = clean_env(tmp_path)

@@ -124,6 +124,7 @@ with accel.distributed() as st:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra  # a whole launch: ~5-8 s
 def test_workers_that_do_not_stop_are_killed_after_the_grace_period(tmp_path: Path) -> None:
     script = write_script(tmp_path, IGNORING_SCRIPT)
     launched = Launched(["--nproc-per-node", "2", "--cpu", "--stop-grace-period", "1",
@@ -149,6 +150,7 @@ with accel.distributed():
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra  # a whole launch: ~5-8 s
 def test_a_second_signal_to_the_launcher_kills_the_workers_at_once(tmp_path: Path) -> None:
     script = write_script(tmp_path, NOTING_SCRIPT)
     launched = Launched(["--nproc-per-node", "2", "--cpu", "--stop-grace-period", "600",

@@ -12,6 +12,7 @@ import pytest
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra  # a whole launch: ~5-8 s
 def test_distributed_under_torchrun() -> None:
     script = pathlib.Path(__file__).with_name("torchrun_script.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
