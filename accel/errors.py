@@ -28,6 +28,9 @@ __all__ = [
     "GatedCollectiveError",
     "LaunchError",
     "LogValueError",
+    "MachineBedError",
+    "MachineBedTimeoutError",
+    "MachineLostError",
     "MainProcessFirstError",
     "NoExecutableBatchSizeError",
     "NotDistributedError",
@@ -43,11 +46,28 @@ __all__ = [
 
 
 class AccelError(Exception):
-    """Base class of every error accel raises on purpose."""
+    """Base class of every error accel raises on purpose.
+
+    Example:
+        >>> try:
+        ...     with accel.distributed(mixed_precison="bf16"):  # a typo
+        ...         pass
+        ... except accel.AccelError as exc:
+        ...     print(type(exc).__name__)
+        ConfigError
+    """
 
 
 class ConfigError(AccelError, ValueError):
-    """An option, environment variable or config value is invalid."""
+    """An option, environment variable or config value is invalid.
+
+    Example:
+        >>> with accel.distributed(mixed_precision="bf17"):
+        ...     pass
+        Traceback (most recent call last):
+        accel.errors.ConfigError: mixed_precision='bf17' is not supported; choose one of
+        ['no', 'fp16', 'bf16', 'fp8'], e.g. `accel.distributed(mixed_precision='bf16')`.
+    """
 
 
 class ConfigTypeError(ConfigError, TypeError):
@@ -95,7 +115,15 @@ class CollectiveTypeError(ArgumentTypeError):
 
 
 class CollectiveTimeoutError(AccelError, TimeoutError):
-    """Some ranks never arrived at a collective (debug mode) or a run exceeded its timeout."""
+    """Some ranks never arrived at a collective (debug mode) or a run exceeded its timeout.
+
+    Example:
+        >>> try:
+        ...     accel.wait_for_everyone()
+        ... except accel.CollectiveTimeoutError as exc:  # names the ranks that never came
+        ...     accel.print(exc)
+        ...     raise
+    """
 
 
 class ArrivalTimeoutError(CollectiveTimeoutError):
@@ -104,16 +132,52 @@ class ArrivalTimeoutError(CollectiveTimeoutError):
     inside ``if accel.is_main_process:``."""
 
 
+class MachineBedError(AccelError, RuntimeError):
+    """The namespaced-machines test bed (:mod:`accel.testing.machines`) could not set up, run
+    or tear down a machine (an ``ip``/``unshare`` failure, a bed used after it closed).
+
+    Example:
+        >>> raise MachineBedError("ip netns add failed: ...")  # doctest: +SKIP
+    """
+
+
+class MachineBedTimeoutError(AccelError, TimeoutError):
+    """A machine's command in the test bed did not end within its timeout.
+
+    Example:
+        >>> raise MachineBedTimeoutError("m1 still running after 60 s")  # doctest: +SKIP
+    """
+
+
+class MachineLostError(AccelError, RuntimeError):
+    """A machine of the job stopped answering (its processes died, or the link to it is cut):
+    named by its hostname, node rank and ranks, with the option that bounds the detection."""
+
+
 class MainProcessFirstError(AccelError, RuntimeError):
     """The rank that ran first inside ``main_process_first`` raised; the others are released."""
 
 
 class RemoteError(AccelError, RuntimeError):
-    """An exception raised on another process that could not be sent back as itself."""
+    """An exception raised on another process that could not be sent back as itself.
+
+    Example:
+        >>> try:
+        ...     run_distributed(body, world_size=2)  # accel.testing.run_distributed
+        ... except accel.RemoteError as exc:  # names the rank and the exception's type
+        ...     print(exc)
+    """
 
 
 class CheckpointError(AccelError, ValueError):
-    """A checkpoint is missing, incomplete, corrupted or does not match the objects."""
+    """A checkpoint is missing, incomplete, corrupted or does not match the objects.
+
+    Example:
+        >>> accel.load_state("no-such-ckpt", model=model)
+        Traceback (most recent call last):
+        accel.errors.CheckpointError: No complete checkpoint at 'no-such-ckpt' (it does not
+        exist). Check the path, or pass `missing_ok=True` to start from scratch when there is none.
+    """
 
 
 class CheckpointCancelledError(AccelError, InterruptedError):
@@ -151,7 +215,18 @@ class LogValueError(ArgumentTypeError, ValueError):
 
 
 class LaunchError(AccelError, RuntimeError):
-    """Processes cannot be launched from here, or a launched process failed."""
+    """Processes cannot be launched from here, or a launched process failed.
+
+    Example:
+        >>> def train():
+        ...     raise ValueError("bad batch")
+        >>> accel.debug_launcher(train, num_processes=2)
+        Traceback (most recent call last):
+        accel.errors.LaunchError: debug_launcher(train) failed: rank 0 raised.
+        ----- traceback of rank 0 -----
+        ...
+        ValueError: bad batch
+    """
 
 
 class SelfTestError(AccelError, AssertionError):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import platform
+import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from accel.core.env import environ_snapshot
+from accel.core.env import environ_snapshot, read_launch_env
 from accel.core.settings import BACKENDS, cpu_count
+from accel.errors import ConfigError
 from accel.launch.config import Resolved
 
 __all__ = ["FP8_TORCHAO_NOTE", "collect_env_info", "format_env_info", "relevant_variables"]
@@ -94,6 +96,8 @@ def collect_env_info(
         "python": f"{platform.python_version()} ({platform.python_implementation()}, "
                   f"{sys.executable})",
         "os": platform.platform(),
+        "hostname": socket.gethostname(),
+        "launch": _launch(),
         "cpus": cpu_count(),
         "gpus": _gpus(),
         "distributed_backends": [
@@ -113,6 +117,20 @@ def collect_env_info(
     }
 
 
+def _launch() -> str:
+    """Where the launcher placed this process, in one line (``none`` outside a launch)."""
+    try:
+        env = read_launch_env(environ_snapshot())
+    except ConfigError as exc:
+        return f"unreadable: {exc}"
+    if env.launcher == "none":
+        return "none (not started by a launcher)"
+    master = f"{env.master_addr}:{env.master_port}" if env.master_addr else "unset"
+    return (f"{env.launcher}: rank {env.rank} of {env.world_size}, node rank {env.node_rank} "
+            f"of {env.num_nodes}, local rank {env.local_rank} of {env.local_world_size}, "
+            f"master {master}")
+
+
 def format_env_info(info: Mapping[str, Any]) -> str:
     """Render :func:`collect_env_info`'s data as text to paste into a bug report.
 
@@ -129,6 +147,8 @@ def format_env_info(info: Mapping[str, Any]) -> str:
         f"- torch: {info['torch']} (CUDA {info['torch_cuda'] or 'not built'})",
         f"- Python: {info['python']}",
         f"- OS: {info['os']}",
+        f"- host: {info.get('hostname', '?')}",
+        f"- launch: {info.get('launch', '?')}",
         f"- CPUs: {info['cpus']}",
         f"- GPUs: {gpus[0]}",
         *(f"        {gpu}" for gpu in gpus[1:]),
