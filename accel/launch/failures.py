@@ -65,7 +65,8 @@ def _precise_time(message: object) -> float | None:
 
 # the end of a traceback raised because another rank died first (not a root cause)
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-              "remote worker", "DistBackendError", "NCCL communicator was aborted")
+              "remote worker", "DistBackendError", "NCCL communicator was aborted",
+              "MachineLostError")
 
 
 def is_peer_loss(traceback_text: str) -> bool:

@@ -10,11 +10,9 @@ Only the standard library is imported here, so the worker starts as fast as ``py
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import sys
-import time
 import traceback
 from collections.abc import Sequence
 from types import TracebackType
@@ -54,28 +52,10 @@ def user_frames(tb: TracebackType | None, filename: str | None) -> TracebackType
 
 def _record(error: BaseException, text: str) -> None:
     """Write torch elastic's error file for this worker (no-op outside a torchrun job)."""
-    # The variable torch elastic sets for exactly this purpose; accel.core.env (the one reader of
-    # the environment) is imported only here, on failure, so the worker starts fast.
-    from accel.core.env import read_variable
+    # imported only here, on failure, so the worker starts fast
+    from accel.core.failure_record import write_failure_record
 
-    path = read_variable("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    # the exception's text as the traceback ends with it: every line, notes included
-    message = "".join(traceback.format_exception_only(type(error), error)).rstrip("\n")
-    data = {
-        "message": {
-            "message": message,
-            # torch reads whole seconds; accel_time orders failures within the same second
-            "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time())),
-                          "accel_time": repr(time.time())},
-        }
-    }
-    try:
-        with open(path, "w", encoding="utf-8") as file:
-            json.dump(data, file)
-    except OSError:
-        pass  # reporting is best effort; the traceback is printed anyway
+    write_failure_record(error, text)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

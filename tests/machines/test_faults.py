@@ -1,0 +1,107 @@
+"""Machine faults on namespaced machines (accel.testing.machines), each ending every surviving
+machine's job within seconds with an accel error naming the lost machine: a machine's
+processes SIGKILLed mid-training, its link cut mid all-reduce (both sides end, each naming
+the other), a machine that never arrives at start-up (named within --rendezvous-timeout), and
+a slow machine (sleep, GIL-holding loop, long write: 3 x the liveness timeout) never declared
+lost. The seconds each took are printed; the tests bound them only by generous waits.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from accel.testing.machines import Machines, requires_machines
+from tests.cli._helpers import clean_env
+
+pytestmark = [pytest.mark.ci_extra, pytest.mark.slow, requires_machines()]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(Path(__file__).with_name("fault_script.py"))
+LIVENESS = "4"  # seconds: the tests' liveness timeout (default 10)
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return clean_env(tmp_path, PYTHONPATH=str(ROOT), ACCEL_LIVENESS_TIMEOUT=LIVENESS)
+
+
+def _training(marks: Path, ranks: int, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(marks.glob("*.step"))) < ranks:
+        assert time.monotonic() < deadline, "the job never started training"
+        time.sleep(0.1)
+
+
+def _start(bed: Machines, tmp_path: Path, mode: str, nproc: int = 1) -> tuple[list, Path]:
+    marks = tmp_path / f"marks-{mode}"
+    marks.mkdir()
+    runs = bed.accel_launch([SCRIPT, mode, str(marks)], nproc_per_node=nproc,
+                            env=_env(tmp_path), cwd=tmp_path)
+    return runs, marks
+
+
+def test_a_killed_machine_is_named_on_the_survivor(tmp_path: Path) -> None:
+    with Machines(2, shared=tmp_path) as bed:
+        runs, marks = _start(bed, tmp_path, "train", nproc=2)
+        _training(marks, 4)
+        start = time.monotonic()
+        bed.kill(1)
+        code = runs[0].wait(timeout=60)
+        print(f"machine 0 ended {time.monotonic() - start:.1f}s after machine 1 was killed")
+        out = runs[0].output
+        assert code != 0, out
+        assert "MachineLostError" in out, out
+        assert f"machine {bed.hostname(1)!r} (node rank 1, ranks [2, 3])" in out, out
+
+
+def test_b_a_cut_link_ends_both_sides_each_naming_the_other(tmp_path: Path) -> None:
+    with Machines(2, shared=tmp_path) as bed:
+        runs, marks = _start(bed, tmp_path, "train")
+        _training(marks, 2)
+        start = time.monotonic()
+        bed.cut(1)
+        codes = [run.wait(timeout=60) for run in runs]
+        print(f"both ended {time.monotonic() - start:.1f}s after the cut (liveness {LIVENESS}s)")
+        assert codes[0] != 0 and codes[1] != 0
+        zero, one = runs[0].output, runs[1].output
+        assert f"Lost machine {bed.hostname(1)!r} (node rank 1, ranks [1])" in zero, zero
+        assert f"Lost machine {bed.hostname(0)!r} (node rank 0, ranks [0])" in one, one
+        assert "which holds the job's store" in one
+        bed.restore(1)
+
+
+def test_c_a_machine_that_never_arrives_is_named(tmp_path: Path) -> None:
+    with Machines(2, shared=tmp_path) as bed:
+        marks = tmp_path / "marks"
+        marks.mkdir()
+        [run] = bed.accel_launch([SCRIPT, "train", str(marks)], nproc_per_node=1,
+                                 options=["--rendezvous-timeout", "5"], machines=[0],
+                                 env=_env(tmp_path), cwd=tmp_path)
+        start = time.monotonic()
+        code = run.wait(timeout=90)
+        print(f"machine 0 ended {time.monotonic() - start:.1f}s after its start")
+        assert code == 1, run.output
+        assert "never arrived within rendezvous_timeout=5s: node rank 1" in run.output, run.output
+        assert f"host {bed.hostname(0)!r}" in run.output
+        [alone] = bed.accel_launch([SCRIPT, "train", str(marks)], nproc_per_node=1,
+                                   options=["--rendezvous-timeout", "5"], machines=[1],
+                                   env=_env(tmp_path), cwd=tmp_path)
+        assert alone.wait(timeout=90) == 1, alone.output
+        assert "could not be reached from node rank 1" in alone.output, alone.output
+
+
+def test_a_slow_machine_is_not_lost(tmp_path: Path) -> None:
+    with Machines(2, shared=tmp_path) as bed:
+        runs, _ = _start(bed, tmp_path, "slow")
+        codes = [run.wait(timeout=180) for run in runs]
+        outputs = [run.output for run in runs]
+        assert codes == [0, 0], outputs
+        assert "MachineLostError" not in "".join(outputs)
+        assert "pauses" in outputs[1] and "done" in outputs[0]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-x", "-q", "-s"]))
