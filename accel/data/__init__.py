@@ -142,6 +142,13 @@ def _plan(
             "`prepare_data_loader(loader, dispatch_batches=False)`."
         )
     batch_size = _batch_size_of(loader)
+    if split_batches and st.options.get("keep_global_batch") is not None:
+        raise ConfigError(
+            f"split_batches=True with keep_global_batch={st.options['keep_global_batch']!r}: "
+            "split batches already keep the global batch at any world size (each batch is cut "
+            "over the ranks), so scaling the accumulation steps would change it. Drop "
+            "keep_global_batch, or prepare the loader with `split_batches=False`."
+        )
     if split_batches and (batch_size is None or batch_size % world != 0):
         raise ConfigError(
             f"split_batches=True cuts every batch into {world} equal slices, but the batch "

@@ -71,6 +71,7 @@ class _Cursor:
     yielded: int = 0
     pending: bool = True  # (epoch, yielded) is where the next iteration starts
     restored: Restored | None = None  # what load_state_dict restored, until the next iteration
+    done: bool = False  # the last batch of `epoch` was yielded (a position at the epoch's end)
 
 
 @attrs.frozen(kw_only=True)
@@ -221,25 +222,28 @@ class PreparedDataLoader(DataLoader[Any]):
         cursor = self._cursor
         if not (cursor.pending and cursor.epoch == epoch):
             cursor.epoch, cursor.yielded, cursor.pending = int(epoch), 0, True
+            cursor.done = False
 
     def state_dict(self) -> dict[str, int | None]:
         """The exact position and seeds: everything needed to continue the same order.
 
         ``epoch`` and ``batches_yielded`` (on this rank) with the world size and batch
         splitting they were counted with (so another number of processes can re-derive the
-        position), ``shuffle_seed`` (``None`` without a shuffle of the loader's own) and
-        ``worker_seed``: the same on every rank.
+        position), ``epoch_done`` (1 once the epoch's last batch was yielded: any number of
+        processes continues with the next epoch), ``shuffle_seed`` (``None`` without a
+        shuffle of the loader's own) and ``worker_seed``: the same on every rank.
 
         Example:
             >>> loader.state_dict()
             {'epoch': 1, 'batches_yielded': 3, 'world_size': 2, 'split_batches': 0,
-             'shuffle_seed': 8262917305619414281, 'worker_seed': 8262917305619414281}
+             'shuffle_seed': 8262917305619414281, 'worker_seed': 8262917305619414281,
+             'epoch_done': 0}
         """
         cursor, plan, shuffle = self._cursor, self._plan, self._mode.shuffle()
         return loader_state(
             cursor.epoch, cursor.yielded, world_size=plan.world_size,
             split_batches=plan.split_batches, worker_seed=self.worker_seeds.base,
-            shuffle_seed=None if shuffle is None else shuffle.seed,
+            shuffle_seed=None if shuffle is None else shuffle.seed, epoch_done=cursor.done,
         )
 
     def load_state_dict(self, state_dict: dict[str, int | None]) -> None:
@@ -267,8 +271,14 @@ class PreparedDataLoader(DataLoader[Any]):
         if saved.worker_seed is not None:
             self.worker_seeds.base = saved.worker_seed
         cursor = self._cursor
-        cursor.epoch, cursor.yielded, cursor.pending = saved.epoch, saved.yielded, True
-        cursor.restored = Restored(saved.epoch, saved.yielded)
+        epoch, yielded = saved.epoch, saved.yielded
+        if saved.epoch_done and yielded == 0:  # an epoch's end, saved at another world size
+            try:
+                yielded = self._mode.length(self)  # this world's whole epoch
+            except TypeError:  # an unsized stream: the next epoch from its start
+                epoch, saved = epoch + 1, attrs.evolve(saved, epoch_done=False)
+        cursor.epoch, cursor.yielded, cursor.pending = epoch, yielded, True
+        cursor.restored, cursor.done = Restored(epoch, yielded), saved.epoch_done
 
     def _begin(self) -> tuple[int, int]:
         cursor = self._cursor
@@ -282,6 +292,7 @@ class PreparedDataLoader(DataLoader[Any]):
         if self._skip_once is not None:
             start, self._skip_once = self._skip_once, None
         cursor.epoch, cursor.yielded, cursor.pending = epoch, start, False
+        cursor.done = False
         return epoch, start
 
     # ---------------------------------------------------------------- iteration
@@ -321,8 +332,10 @@ class PreparedDataLoader(DataLoader[Any]):
             self.remainder = -1 if final is None else final.remainder
             self.end_of_dataloader = True
             cursor.yielded += 1
+            cursor.done = True
             yield batch
             cursor.epoch, cursor.yielded, cursor.pending = epoch + 1, 0, True
+            cursor.done = False
         finally:
             for index in range(len(loaders) - 1, -1, -1):
                 if loaders[index] is self:

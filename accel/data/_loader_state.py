@@ -1,8 +1,9 @@
 """Loader states: the position and seeds a resumed loader continues from.
 
 A prepared loader's ``state_dict()`` holds its position (epoch, batches yielded on each rank,
-the world size and batch splitting it was counted with) and its seeds: the shuffle seed (the
-base of every epoch's permutation) and the base of its worker seeds. With them a resumed
+the world size and batch splitting it was counted with, whether the epoch's last batch was
+yielded) and its seeds: the shuffle seed (the base of every epoch's permutation) and the base
+of its worker seeds. With them a resumed
 loader continues the same order whatever the new process's global RNG. A state without seeds
 (saved before they were recorded) keeps the resumed loader's own seeds.
 """
@@ -34,13 +35,16 @@ class LoaderState:
 
     Example:
         >>> LoaderState(epoch=1, yielded=3, shuffle_seed=42, worker_seed=7)
-        LoaderState(epoch=1, yielded=3, shuffle_seed=42, worker_seed=7)
+        LoaderState(epoch=1, yielded=3, shuffle_seed=42, worker_seed=7, epoch_done=False)
     """
 
     epoch: int
     yielded: int
     shuffle_seed: int | None = None
     worker_seed: int | None = None
+    epoch_done: bool = False
+    """The position is the end of ``epoch`` (its last batch yielded): at another world size
+    the loader's own epoch length, whatever batch count the saved world's padding made."""
 
 
 def loader_state(
@@ -51,13 +55,14 @@ def loader_state(
     split_batches: bool,
     shuffle_seed: int | None,
     worker_seed: int,
+    epoch_done: bool = False,
 ) -> dict[str, int | None]:
     """What ``PreparedDataLoader.state_dict()`` returns (plain ints: exact in JSON).
 
     Example:
         >>> loader_state(1, 3, world_size=2, split_batches=False, shuffle_seed=5, worker_seed=5)
         {'epoch': 1, 'batches_yielded': 3, 'world_size': 2, 'split_batches': 0, \
-'shuffle_seed': 5, 'worker_seed': 5}
+'shuffle_seed': 5, 'worker_seed': 5, 'epoch_done': 0}
     """
     return {
         "epoch": epoch,
@@ -66,6 +71,7 @@ def loader_state(
         "split_batches": int(split_batches),
         "shuffle_seed": shuffle_seed,
         "worker_seed": worker_seed,
+        "epoch_done": int(epoch_done),
     }
 
 
@@ -80,7 +86,7 @@ def read_loader_state(
     Example:
         >>> read_loader_state({"epoch": 1, "batches_yielded": 4, "world_size": 2},
         ...                   world_size=4, split_batches=False)
-        LoaderState(epoch=1, yielded=2, shuffle_seed=None, worker_seed=None)
+        LoaderState(epoch=1, yielded=2, shuffle_seed=None, worker_seed=None, epoch_done=False)
     """
     saved: Mapping[str, Any] = state_dict if isinstance(state_dict, Mapping) else {}
     values: list[int] = []
@@ -109,11 +115,20 @@ def read_loader_state(
             f"{saved_world!r}. Pass what `loader.state_dict()` returned."
         )
     saved_split = bool(saved.get("split_batches", split_batches))
+    done = saved.get("epoch_done", 0)
+    if done not in (0, 1):  # True/False too
+        raise CheckpointError(
+            f"a data loader state's 'epoch_done' must be 0 or 1, got {done!r}. Pass what "
+            "`loader.state_dict()` returned."
+        )
+    done = bool(done)
     if saved_world != world_size or saved_split != split_batches:
+        if done and saved_split == split_batches:  # a whole epoch: any world can continue it
+            return LoaderState(epoch, 0, seeds[0], seeds[1], epoch_done=True)
         yielded = rederive_position(
             yielded, saved=(saved_world, saved_split), now=(world_size, split_batches)
         )
-    return LoaderState(epoch, yielded, seeds[0], seeds[1])
+    return LoaderState(epoch, yielded, seeds[0], seeds[1], epoch_done=done)
 
 
 def shuffle_reseeder(*holders: object) -> Reseeder | None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from accel.core.global_batch import reference_world
 from accel.core.scope import scope
 from accel.core.state import state
 from accel.errors import ArgumentTypeError
@@ -101,7 +102,11 @@ class PreparedScheduler(LRScheduler):
         if split is None:
             loaders = sc.active_loaders
             split = _loader_splits_batches(loaders[-1]) if loaders else False
-        repeats = 1 if split or not self._per_batch else state().world_size
+        st = state()
+        # keep_global_batch: a restart on another world size keeps the reference world's rule
+        repeats = 1 if split or not self._per_batch else (
+            reference_world(st.options) or st.world_size
+        )
         for _ in range(repeats):
             total = getattr(scheduler, "total_steps", None)
             if total is not None and scheduler.last_epoch >= total:
@@ -127,6 +132,8 @@ def prepare_scheduler(
     A schedule written for the single-process number of batches (``total_steps=len(loader) *
     epochs`` computed before ``prepare``) therefore still finishes on time. With
     ``split_batches=True`` each step consumes one global batch and the scheduler steps once.
+    Under ``keep_global_batch=R`` (elastic jobs) it advances ``R`` steps whatever the world
+    size, so a restart on fewer processes keeps the schedule.
     Schedulers with ``total_steps`` (``OneCycleLR``) stop at the end instead of raising when a
     last partial round would step past it. ``ReduceLROnPlateau`` (stepped with a metric, not
     per batch) steps once.
