@@ -84,6 +84,8 @@ class LaunchEnv:
     debug: bool | None = None
     timeout: float | None = None
     arrival_timeout: float | None = None
+    heartbeat_interval: float | None = None
+    liveness_timeout: float | None = None
     on_each_node: bool | None = None
     dp_replicate_size: int | None = None
     dp_shard_size: int | None = None

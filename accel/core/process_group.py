@@ -17,6 +17,8 @@ from accel.core.config_file import deepspeed_policy, load_config
 from accel.core.engine_facts import ENGINE_FACTS, SHARDING_ENGINE, EngineFacts
 from accel.core.env import LaunchEnv, read_launch_env, read_variable
 from accel.core.exit_refs import final_barrier
+from accel.core.global_batch import keep_global_batch
+from accel.core.liveness import LivenessBounds, Watch, liveness_bounds, start_watch
 from accel.core.mesh import SIZE_KEYS, build_mesh, mesh_shape
 from accel.core.options import check_options
 from accel.core.scope import Scope, run_exit_steps
@@ -102,6 +104,10 @@ def _nested(
             )
     merged = {k: v if v is not None else getattr(current, k) for k, v in changes.items()}
     policy = resolve_policy(LaunchEnv(), world_size=current.world_size, **merged)
+    policy = keep_global_batch(  # a nested block's own steps are for the reference world too
+        policy, {**current.options, **options}, world_size=current.world_size,
+        rank=current.rank, given=changes["gradient_accumulation_steps"] is not None,
+    )
     each = current.on_each_node if on_each_node is None else on_each_node
     return attrs.evolve(
         current, **policy, on_each_node=each, options={**current.options, **options}
@@ -149,6 +155,8 @@ def distributed(
     cp_size: int | None = None,
     pp_size: int | None = None,
     cp_method: str | None = None,
+    heartbeat_interval: float | None = None,
+    liveness_timeout: float | None = None,
     **options: Any,
 ) -> Iterator[ProcessState]:
     """Set up distributed training for the block and yield the process state.
@@ -204,6 +212,14 @@ def distributed(
             CUDA only); default ``"ring"`` on CUDA, else ``"alltoall"``.
         pp_size: pipeline stages (the mesh's outermost dim): ``prepare_model(pp_plan=...)``
             splits the model over them and ``accel.pipeline_step`` trains it.
+        heartbeat_interval: on a job spanning several machines, seconds between each
+            process's liveness stamps in the job's store; default 1 (also
+            ``ACCEL_HEARTBEAT_INTERVAL``, the config key, ``accel launch --heartbeat-interval``).
+        liveness_timeout: seconds a machine may go unheard (or the store unanswered) before
+            every other machine ends its processes with a
+            :class:`~accel.errors.MachineLostError` naming it; default 10, 0 turns the watch
+            off (also ``ACCEL_LIVENESS_TIMEOUT``, the config key, ``accel launch
+            --liveness-timeout``). See ``docs/launching.md``, "Many machines".
         **options: DDP and FSDP options, and ``activation_checkpointing`` (also
             ``ACCEL_ACTIVATION_CHECKPOINTING`` and the config key), the default of every
             ``prepare_model`` in the block; under fp8 ``fp8_recipe`` (``"tensorwise"``, the
@@ -244,6 +260,12 @@ def distributed(
     if cp_method is not None:
         _check_cp_method(cp_method, "cp_method")
     if has_active_state():
+        if heartbeat_interval is not None or liveness_timeout is not None:
+            raise ConfigError(
+                "accel.distributed(heartbeat_interval=..., liveness_timeout=...) inside an "
+                "active block: the liveness watch belongs to the process group, set up by the "
+                "outermost block. Pass them there."
+            )
         if cp_method is not None and cp_method != state().cp_method:
             raise ConfigError(
                 f"accel.distributed(cp_method={cp_method!r}) inside a block whose cp_method is "
@@ -257,13 +279,15 @@ def distributed(
         return
     env, file_options = _with_config_file(read_launch_env())
     options = {**file_options, **options}  # distributed(**options) wins over the file
+    bounds = liveness_bounds(env, heartbeat_interval=heartbeat_interval,
+                             liveness_timeout=liveness_timeout)
     process = _find_process(env, backend, cpu or bool(env.cpu))
     if cp_method is not None:
         env = attrs.evolve(env, cp_method=cp_method)
     current, created = _start(
         env, process, sizes, changes, seed=seed, on_each_node=on_each_node, options=options
     )
-    yield from _run_block(current, created, seed)
+    yield from _run_block(current, created, seed, (bounds, env))
 
 
 def _nested_block(
@@ -339,6 +363,7 @@ def _start(
         changes = {**changes, **{key: value for key, value in said.items()
                                  if changes[key] is None and given[key] is None}}
     policy = resolve_policy(env, world_size=world, **changes)
+    policy = keep_global_batch(policy, options, world_size=world, rank=process.rank)
     _require_package(policy["strategy"], ENGINE_FACTS[policy["strategy"]])
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -415,10 +440,19 @@ def _cp_method(given: str | None, device: torch.device) -> CpMethod:
     return method
 
 
-def _run_block(current: ProcessState, created: bool, seed: int | None) -> Iterator[ProcessState]:
-    """Yield ``current`` as the block's state; leave the group this block created."""
+def _run_block(
+    current: ProcessState, created: bool, seed: int | None,
+    liveness: tuple[LivenessBounds, LaunchEnv] | None = None,
+) -> Iterator[ProcessState]:
+    """Yield ``current`` as the block's state; leave the group this block created (and stop
+    its liveness watch, :mod:`accel.core.liveness`, once every rank reached the end)."""
+    watch: Watch | None = None
     try:
         record = Scope(created_group=created)
+        if created and liveness is not None:
+            bounds, env = liveness
+            watch = start_watch(current, bounds, store_host=env.master_addr or "127.0.0.1",
+                                store_port=env.master_port or DEFAULT_PORT)
         with set_state(current, record):
             try:
                 if seed is not None:
@@ -428,18 +462,26 @@ def _run_block(current: ProcessState, created: bool, seed: int | None) -> Iterat
                 run_exit_steps(record, failed=True)
                 raise
             run_exit_steps(record, failed=False)  # e.g. async saves finished, DDP released
-    except BaseException:
+    except BaseException as error:
+        lost = None
+        if watch is not None:
+            watch.stop(clean=False)
+            lost = watch.explain(error)  # gloo's "[addr]:port ... reset" as the machine
         if created and dist.is_initialized():
             _leave_after_error()
+        if lost is not None:
+            raise lost from error
         raise
     if created and dist.is_initialized():
-        _teardown()
+        _teardown(watch)
+    elif watch is not None:
+        watch.stop(clean=True)
 
 
 _NAMED = (
     "backend", "mixed_precision", "gradient_accumulation_steps", "strategy", "cpu", "timeout",
     "arrival_timeout", "debug", "seed", "on_each_node", "dp_replicate_size", "dp_shard_size",
-    "tp_size", "cp_size", "pp_size", "cp_method",
+    "tp_size", "cp_size", "pp_size", "cp_method", "heartbeat_interval", "liveness_timeout",
 )
 
 
@@ -480,7 +522,7 @@ def _with_config_file(env: LaunchEnv) -> tuple[LaunchEnv, dict[str, Any]]:
     return (attrs.evolve(env, **missing) if missing else env), file_options
 
 
-def _teardown() -> None:
+def _teardown(watch: Watch | None = None) -> None:
     """Destroy the group this block created, once every rank has reached the end.
 
     Without the barrier a rank that finishes first closes its connections while a peer's
@@ -490,6 +532,8 @@ def _teardown() -> None:
     a worker thread during finalization aborted the process the same way.
     """
     final_barrier()
+    if watch is not None:  # only now: a rank still in the block is watched to its end
+        watch.stop(clean=True)
     dist.destroy_process_group()
 
 

@@ -33,7 +33,10 @@ __all__ = [
     "DEEPSPEED_KEYS",
     "DEFAULT_ARRIVAL_TIMEOUT_S",
     "DEFAULT_CPU_PROCESSES",
+    "DEFAULT_HEARTBEAT_INTERVAL_S",
+    "DEFAULT_LIVENESS_TIMEOUT_S",
     "DEFAULT_PORT",
+    "DEFAULT_RENDEZVOUS_TIMEOUT_S",
     "DEFAULT_TIMEOUT_S",
     "ENV_PREFIX",
     "FALSE_WORDS",
@@ -89,6 +92,16 @@ DEFAULT_ARRIVAL_TIMEOUT_S = 300.0
 make that are not per-step) for the ranks that have not arrived before it names them, unless
 ``arrival_timeout`` says otherwise: far above the usual skew between ranks reaching the same
 call, far below the collective ``timeout``."""
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+"""Seconds between two liveness stamps of a process on a job of several machines, unless
+``heartbeat_interval`` says otherwise (``accel.core.liveness``)."""
+DEFAULT_LIVENESS_TIMEOUT_S = 10.0
+"""Seconds a machine may go unheard (none of its processes stamping, or the job's store not
+answering) before the others declare it lost, unless ``liveness_timeout`` says otherwise (0:
+no watch): far above a stamp's interval, far below the collective ``timeout``."""
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 600.0
+"""Seconds ``accel launch`` waits at start-up for every machine to arrive before naming those
+that did not, unless ``rendezvous_timeout`` says otherwise (torch's static rendezvous' own)."""
 DEFAULT_CPU_PROCESSES = 2
 """Processes per machine that the launchers start when there is no GPU and no count given."""
 ENV_PREFIX = "ACCEL_"
@@ -296,6 +309,10 @@ SETTINGS: Mapping[str, Spec] = {
         minimum=1, maximum=65535,
     ),
     "max_restarts": Spec("int", "times the job restarts after a process fails", 0, minimum=0),
+    "rendezvous_timeout": Spec(
+        "float", "seconds accel launch waits at start-up for every machine before naming those "
+        "that never arrived", DEFAULT_RENDEZVOUS_TIMEOUT_S, minimum=1.0,
+    ),
     # the run-wide policy (read by accel.distributed(), also as ACCEL_<KEY>)
     "mixed_precision": Spec(
         "choice", "autocast precision (fp8: torchao float8 Linear layers, bf16 around them)",
@@ -326,9 +343,23 @@ SETTINGS: Mapping[str, Spec] = {
         "ranks that never arrive before naming them (a call inside `if is_main_process:`)",
         DEFAULT_ARRIVAL_TIMEOUT_S, minimum=0.0, layer="policy",
     ),
+    "heartbeat_interval": Spec(
+        "float", "seconds between the liveness stamps of each process (several machines)",
+        DEFAULT_HEARTBEAT_INTERVAL_S, minimum=0.01, layer="policy",
+    ),
+    "liveness_timeout": Spec(
+        "float", "seconds a machine may go unheard before the others end the job naming it "
+        "(several machines; 0: no watch)", DEFAULT_LIVENESS_TIMEOUT_S, layer="policy",
+    ),
     "on_each_node": Spec(
         "bool", "each machine's first process saves its own copy (no shared filesystem)", False,
         layer="policy",
+    ),
+    # elastic jobs: run-wide, kept in accel.state().options (read by accel.distributed())
+    "keep_global_batch": Spec(
+        "int", "the world size (processes) gradient_accumulation_steps and the per-rank batch "
+        "are written for; at another world size the accumulation steps are scaled to keep the "
+        "global batch (elastic restarts)", minimum=1, layer="model",
     ),
     # the device mesh (read by accel.distributed(), also as ACCEL_<KEY>)
     "dp_replicate_size": Spec(

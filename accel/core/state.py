@@ -8,6 +8,7 @@ process group, the launch environment) without side effects.
 from __future__ import annotations
 
 import contextvars
+import socket
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import MappingProxyType
@@ -64,26 +65,45 @@ class ProcessState:
     """
 
     rank: int = 0
+    """This process's global rank, ``0`` to ``world_size - 1``."""
     local_rank: int = 0
+    """This process's rank on its machine, ``0`` to ``local_world_size - 1``."""
     world_size: int = 1
+    """The number of processes in the job."""
     local_world_size: int = 1
+    """The number of processes on this machine."""
     node_rank: int = 0
+    """This machine's index, ``0`` to ``num_nodes - 1``."""
     num_nodes: int = 1
+    """The number of machines in the job."""
+    hostname: str = attrs.field(factory=socket.gethostname)
+    """The name of the machine this process runs on (``socket.gethostname()``)."""
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    """The device this process computes on (its GPU, or the CPU)."""
     backend: str | None = None
+    """The ``torch.distributed`` backend (``"nccl"``, ``"gloo"``...), ``None`` on one process."""
     mixed_precision: MixedPrecision = "no"
+    """``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"``."""
     gradient_accumulation_steps: int = 1
+    """Batches per optimizer step."""
     strategy: Strategy = "none"
+    """The engine: ``"none"`` (one process), ``"ddp"``, ``"fsdp"`` or ``"deepspeed"``."""
     debug: bool = False
+    """Whether every collective is first checked across ranks (operation, shapes, dtypes)."""
     timeout: float = DEFAULT_TIMEOUT_S
+    """Seconds accel's own waits allow (the debug checks, ``wait_for_everyone``)."""
     arrival_timeout: float = DEFAULT_ARRIVAL_TIMEOUT_S
     """Seconds a rank waits at a call every rank must make (``save_state``, ``load_state``...)
     for the others before naming those that never arrived (``accel.core.arrival``)."""
     seed: int | None = None
+    """The seed every rank's python, numpy and torch generators got, or ``None``."""
     on_each_node: bool = False
+    """Whether each machine's local main process writes and reads its own copy of files."""
     options: Mapping[str, Any] = attrs.field(
         factory=dict, converter=_frozen_mapping, eq=False, repr=False
     )
+    """The block's engine options (DDP's ``find_unused_parameters``, ``comm_hook``...; FSDP's
+    ``shard_modules``...), read-only."""
     mesh_shape: tuple[int, int, int, int, int] | None = None
     """``(pp, dp_replicate, dp_shard, cp, tp)`` sizes when the block has a device mesh."""
     mesh: Any = attrs.field(default=None, eq=False, repr=False)
@@ -159,8 +179,9 @@ class ProcessState:
 _NESTED = ("mixed_precision", "gradient_accumulation_steps", "strategy", "debug", "timeout",
            "arrival_timeout", "on_each_node")
 _LAUNCH_FACTS = ("rank", "local_rank", "world_size", "local_world_size", "node_rank",
-                 "num_nodes", "is_main_process", "is_local_main_process", "is_last_process",
-                 "use_distributed", "tp_world_size", "tp_rank", "cp_world_size", "cp_rank",
+                 "num_nodes", "hostname", "is_main_process", "is_local_main_process",
+                 "is_last_process", "use_distributed", "tp_world_size", "tp_rank",
+                 "cp_world_size", "cp_rank",
                  "dp_world_size", "dp_rank", "pp_world_size", "pp_rank")
 _OUTERMOST = {
     "backend": "`accel.distributed(backend=...)`",

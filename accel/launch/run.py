@@ -42,6 +42,7 @@ from accel.core.settings import (
 from accel.errors import ConfigError
 from accel.launch.config import Resolved, resolve_settings
 from accel.launch.failures import describe_failure, is_peer_loss
+from accel.launch.rendezvous import describe_rendezvous_failure, rendezvous_conf
 
 __all__ = [
     "LaunchPlan",
@@ -121,6 +122,11 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
                             help=f"{values} (mixed precision {spec.mode}{default})")
     policy.add_argument("--gradient-accumulation-steps", "--gradient_accumulation_steps",
                         type=int, metavar="K", help="batches per optimizer step")
+    policy.add_argument("--keep-global-batch", "--keep_global_batch", metavar="max|N",
+                        help="elastic jobs: --gradient-accumulation-steps and the per-rank "
+                             "batch are for N processes (max: the most the launch allows, "
+                             "MAX machines x nproc-per-node); a restart on another world size "
+                             "scales the accumulation steps to keep the global batch")
     policy.add_argument("--strategy", metavar="S", help=", ".join(STRATEGIES))
     policy.add_argument("--use-fsdp", "--use_fsdp", action="store_true",
                         help="same as --strategy fsdp (Accelerate's spelling)")
@@ -150,6 +156,15 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     policy.add_argument("--arrival-timeout", "--arrival_timeout", type=float, metavar="S",
                         help="seconds a rank waits at save_state/load_state for ranks that "
                              "never come (a call inside `if is_main_process:`); default 300")
+    policy.add_argument("--heartbeat-interval", "--heartbeat_interval", type=float, metavar="S",
+                        help="several machines: seconds between each process's liveness "
+                             "stamps; default 1")
+    policy.add_argument("--liveness-timeout", "--liveness_timeout", type=float, metavar="S",
+                        help="several machines: seconds a machine may go unheard before the "
+                             "others end the job naming it; default 10, 0: no watch")
+    where.add_argument("--rendezvous-timeout", "--rendezvous_timeout", type=float, metavar="S",
+                       help="seconds to wait at start-up for every machine before naming those "
+                            "that never arrived (default 600)")
     mesh = parser.add_argument_group("device mesh (reach accel.distributed(); see "
                                      "docs/parallelism.md)")
     for size, what in (("dp_replicate", "data-parallel replicas (HSDP's replicate dim)"),
@@ -178,6 +193,13 @@ def command_line_settings(ns: argparse.Namespace) -> dict[str, object]:
     """
     get = vars(ns).get
     machines = get("nnodes")
+    keep = get("keep_global_batch")
+    if keep is not None and keep != "max" and not str(keep).strip().isdigit():
+        raise ConfigError(
+            f"--keep-global-batch={keep!r} is invalid; give `max` (the most processes the "
+            "launch allows: MAX machines x nproc-per-node) or a world size, e.g. "
+            "`--keep-global-batch max` or `--keep-global-batch 4`."
+        )
     strategy = get("strategy") or (
         "fsdp" if get("use_fsdp") else "deepspeed" if get("use_deepspeed") else None
     )
@@ -191,12 +213,18 @@ def command_line_settings(ns: argparse.Namespace) -> dict[str, object]:
         "mixed_precision": get("mixed_precision"),
         **{key: get(key) for key in PRECISION_KEYS},
         "gradient_accumulation_steps": get("gradient_accumulation_steps"),
+        "keep_global_batch": None if get("keep_global_batch") == "max" else get(
+            "keep_global_batch"
+        ),
         "strategy": strategy,
         "backend": get("backend"),
         "cpu": get("cpu"),
         "debug": get("debug"),
         "timeout": get("timeout"),
         "arrival_timeout": get("arrival_timeout"),
+        "heartbeat_interval": get("heartbeat_interval"),
+        "liveness_timeout": get("liveness_timeout"),
+        "rendezvous_timeout": get("rendezvous_timeout"),
         **{key: get(key) for key in ("dp_replicate_size", "dp_shard_size", "tp_size",
                                      "cp_size", "pp_size", "cp_method")},
         **{key: get(key) for key in DEEPSPEED_KEYS},
@@ -270,8 +298,13 @@ def plan_launch(
         args += ["--monitor-interval", str(ns.monitor_interval)]
     args += _stop_args(getattr(ns, "stop_grace_period", None))
     rendezvous, dynamic = _rendezvous_args(ns, value, nnodes, machines)
+    if machines > 1 or ":" in nnodes:  # the start-up bound (accel.launch.rendezvous)
+        ns = argparse.Namespace(**{**vars(ns), "rdzv_conf": rendezvous_conf(
+            ns.rdzv_conf, float(str(value["rendezvous_timeout"])), dynamic=dynamic)})
     args += rendezvous + _program_args(ns)
     worker_env = _worker_env(settings, cpu=cpu, config_file=config_file, dynamic=dynamic)
+    if getattr(ns, "keep_global_batch", None) == "max":  # the largest world the launch allows
+        worker_env[env_variable("keep_global_batch")] = str(machines * nproc)
     if not omp_num_threads_set:
         worker_env["OMP_NUM_THREADS"] = str(max(1, cpu_count // nproc))
     return LaunchPlan(torchrun_args=tuple(args), worker_env=worker_env, settings=settings,
@@ -439,6 +472,10 @@ def run_plan(plan: LaunchPlan, what: str) -> int:
     from accel.launch.oom import oom_evidence, read_oom_kills
 
     args, grace, note = supported_stop_args(plan.torchrun_args)
+    if plan.worker_env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        from accel.launch.free_port import use_wildcard_free_port
+
+        use_wildcard_free_port()  # torch's probe binds localhost, absent on some machines
     sys.stderr.write(note)
     exits: dict[int, int | None] = {}
     oom_kills = read_oom_kills()  # a SIGKILL is called out of memory only if these rise
@@ -453,6 +490,14 @@ def run_plan(plan: LaunchPlan, what: str) -> int:
         sys.stderr.write(text)
         sys.stderr.flush()
         return code
+    except RuntimeError as error:  # torch's store errors: a start-up that timed out
+        report = describe_rendezvous_failure(error, args)
+        if report is None:
+            raise
+        sys.stdout.flush()
+        sys.stderr.write(report)
+        sys.stderr.flush()
+        return 1
     except SignalException as error:  # the workers got the signal too, and a grace period
         text, code = stop_outcome(error.sigval, exits, grace)
         sys.stdout.flush()
