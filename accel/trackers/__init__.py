@@ -6,8 +6,11 @@ the block ends, also when it raises. The active run is per context (a `ContextSl
 or concurrent ``tracking()`` blocks in different threads/tasks do not mix.
 
 Built-in trackers (``log_with`` names): ``"jsonl"`` (no dependency), ``"tensorboard"``,
-``"wandb"``, ``"mlflow"`` (extras ``accel[tensorboard]``, ``accel[wandb]``, ``accel[mlflow]``).
-``log_with="all"`` picks jsonl and every installed one (wandb offline unless a mode is set).
+``"wandb"``, ``"mlflow"``, ``"aim"``, ``"comet_ml"``, ``"clearml"``, ``"dvclive"``,
+``"swanlab"``, ``"trackio"`` (each with the extra of its name, e.g. ``accel[aim]``; all of
+them: ``accel[trackers]``). The last six are offline or local unless you ask for online in
+their ``init_kwargs`` (see each module). ``log_with="all"`` picks jsonl and every installed
+one (wandb offline unless a mode is set).
 Custom trackers: see :mod:`accel.trackers.base`. Run names are single directory names, so a
 run never writes outside ``project_dir``.
 """
@@ -55,6 +58,12 @@ _BUILTINS: Mapping[str, _Builtin] = MappingProxyType(
         "tensorboard": _Builtin("accel.trackers.tensorboard", "tensorboard", "tensorboard"),
         "wandb": _Builtin("accel.trackers.wandb", "wandb", "wandb"),
         "mlflow": _Builtin("accel.trackers.mlflow", "mlflow", "mlflow"),
+        "aim": _Builtin("accel.trackers.aim", "aim", "aim"),
+        "comet_ml": _Builtin("accel.trackers.comet_ml", "comet_ml", "comet_ml"),
+        "clearml": _Builtin("accel.trackers.clearml", "clearml", "clearml"),
+        "dvclive": _Builtin("accel.trackers.dvclive", "dvclive", "dvclive"),
+        "swanlab": _Builtin("accel.trackers.swanlab", "swanlab", "swanlab"),
+        "trackio": _Builtin("accel.trackers.trackio", "trackio", "trackio"),
     }
 )
 
@@ -317,18 +326,21 @@ def tracking(
     Enter it on every rank (it is not a collective, so it also works on one rank only, e.g.
     inside an ``@accel.on_main_process`` function). Only the main process creates the run
     directory and the trackers; on other ranks :func:`log` returns at once. On exit, also
-    after an exception, every tracker is finished and flushed (wandb/mlflow runs are marked
-    failed when the block raised).
+    after an exception, every tracker is finished and flushed (wandb, mlflow, aim, clearml,
+    swanlab and trackio runs are marked failed, or alerted, when the block raised).
 
     Args:
         project_dir: the directory holding the runs; each run writes to
             ``project_dir/<run_name>/``.
-        log_with: tracker names (``"jsonl"``, ``"tensorboard"``, ``"wandb"``, ``"mlflow"``),
-            ``"all"`` for jsonl plus every installed one (a wandb run started only because of
-            ``"all"`` is offline unless ``WANDB_MODE`` or ``init_kwargs`` sets a mode),
+        log_with: tracker names (``"jsonl"``, ``"tensorboard"``, ``"wandb"``, ``"mlflow"``,
+            ``"aim"``, ``"comet_ml"``, ``"clearml"``, ``"dvclive"``, ``"swanlab"``,
+            ``"trackio"``), ``"all"`` for jsonl plus every installed one (a wandb run started
+            only because of ``"all"`` is offline unless ``WANDB_MODE`` or ``init_kwargs`` sets
+            a mode),
             tracker objects (see :mod:`accel.trackers.base`), or ``None``/``()`` for none.
         config: the run's hyper-parameters (dict, dataclass or ``argparse.Namespace``):
-            ``config.json`` for jsonl, the wandb config, mlflow params, a tensorboard text.
+            ``config.json`` for jsonl, the wandb config, mlflow params, a tensorboard text
+            (the other trackers: see their modules).
         run_name: the run's name; default ``run-YYYYmmdd-HHMMSS`` (made unique). Reusing a
             name continues that run's directory (jsonl appends). It must be one plain
             directory name: not empty, ``"."`` or ``".."``, not absolute, without ``/`` or
@@ -468,8 +480,10 @@ def get_tracker(name: str) -> Any:
     """The native object of an active tracker (main process); ``None`` on other ranks.
 
     ``"jsonl"``: the jsonl tracker (``.path``); ``"tensorboard"``: the ``SummaryWriter``;
-    ``"wandb"``: the wandb run; ``"mlflow"``: the tracker (``.client``, ``.run_id``); a custom
-    tracker: its ``native`` attribute if it has one, else the object.
+    ``"wandb"``: the wandb run; ``"mlflow"``: the tracker (``.client``, ``.run_id``);
+    ``"aim"``: the ``aim.Run``; ``"comet_ml"``: the Comet experiment; ``"clearml"``: the
+    ClearML ``Task``; ``"dvclive"``: the ``dvclive.Live``; ``"swanlab"``, ``"trackio"``: their
+    run; a custom tracker: its ``native`` attribute if it has one, else the object.
 
     Raises:
         TrackingNotActiveError: called outside ``with accel.tracking(...)``.

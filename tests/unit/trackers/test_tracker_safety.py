@@ -86,6 +86,8 @@ def wandb_inits(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     module.init = init  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "wandb", module)
     monkeypatch.delenv("WANDB_MODE", raising=False)
+    # "all" picks jsonl and the fake wandb only, not other trackers that may be installed
+    monkeypatch.setattr(accel.trackers, "_installed", lambda package: package in (None, "wandb"))
     return calls
 
 

@@ -282,7 +282,10 @@ def test_missing_package_names_the_extra(tmp_path: Path, monkeypatch: pytest.Mon
 def test_log_with_all_picks_installed() -> None:
     expected = ["jsonl"] + [
         name
-        for name in ("tensorboard", "wandb", "mlflow")
+        for name in (
+            "tensorboard", "wandb", "mlflow", "aim", "comet_ml", "clearml", "dvclive", "swanlab",
+            "trackio",
+        )
         if importlib.util.find_spec(name) is not None
     ]
     assert tracking_module._resolve("all") == expected
