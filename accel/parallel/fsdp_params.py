@@ -7,7 +7,8 @@ set by :func:`mark_replaced`; :func:`check_optimizer_parameters` (``prepare_opti
 :func:`adopt_sharded_parameters` (``accel.prepare(model, optimizer)``) read it, at prepare time
 only. Also :func:`plain_norm` for clipping DTensor gradients, and :func:`set_gradient_sync`,
 the per-step gradient-sync switch for ``accel.accumulate`` (its FSDP modules are listed once,
-in the ``_accel_fsdp_sync_targets`` entry of the model's ``__dict__``).
+in the ``_accel_fsdp_sync_targets`` entry of the model's ``__dict__``, with
+FSDP2's parameter groups whose flags it writes).
 
 This module does not import ``torch.distributed``.
 """
@@ -38,44 +39,65 @@ __all__ = [
 ]
 
 _REPLACED = "_accel_fsdp_replaced"  # attribute of a parameter that fully_shard replaced
-_SYNC_TARGETS = "_accel_fsdp_sync_targets"  # model.__dict__ entry: its FSDP modules
+_SYNC_TARGETS = "_accel_fsdp_sync_targets"  # model.__dict__ entry: its FSDP param groups
 
 
-def _sync_targets(model: nn.Module) -> tuple[nn.Module, ...]:
-    """The FSDP modules in ``model``'s tree (itself included), listed on first use.
+def _sync_targets(model: nn.Module) -> tuple[Any, ...] | None:
+    """FSDP2's parameter groups in ``model``'s tree (itself included), listed on first use.
 
-    Empty for a module that is not torch's ``FSDPModule`` (an object that only has the
-    method): :func:`set_gradient_sync` then calls the method as it is.
+    These hold the two flags ``set_requires_gradient_sync`` sets (``reduce_grads`` and
+    ``all_reduce_grads``, on every group of every FSDP module below it). ``None`` when they
+    cannot be listed: ``model`` is not torch's ``FSDPModule`` (an object that only has the
+    method) or torch's FSDP2 keeps them differently; :func:`set_gradient_sync` then calls the
+    method as it is.
     """
-    targets: tuple[nn.Module, ...] | None = model.__dict__.get(_SYNC_TARGETS)
-    if targets is None:
-        fsdp = sys.modules.get("torch.distributed.fsdp")  # loaded if model was sharded
-        module_type = getattr(fsdp, "FSDPModule", None)
-        targets = ()
-        if module_type is not None and isinstance(model, module_type):
-            targets = tuple(m for m in model.modules() if isinstance(m, module_type))
-        model.__dict__[_SYNC_TARGETS] = targets
+    if _SYNC_TARGETS not in model.__dict__:
+        model.__dict__[_SYNC_TARGETS] = _param_groups(model)
+    targets: tuple[Any, ...] | None = model.__dict__[_SYNC_TARGETS]
     return targets
 
 
-def set_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
-    """``model.set_requires_gradient_sync(requires_sync)`` without walking the module tree.
+def _param_groups(model: nn.Module) -> tuple[Any, ...] | None:
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # loaded if model was sharded
+    module_type = getattr(fsdp, "FSDPModule", None)
+    if module_type is None or not isinstance(model, module_type):
+        return None
+    groups: list[Any] = []
+    for module in model.modules():
+        if not isinstance(module, module_type):
+            continue
+        get_state = getattr(module, "_get_fsdp_state", None)
+        found = getattr(get_state(), "_fsdp_param_groups", None) if callable(get_state) else None
+        if not isinstance(found, list):
+            return None
+        for group in found:
+            if not (hasattr(group, "reduce_grads") and hasattr(group, "all_reduce_grads")):
+                return None
+            groups.append(group)
+    return tuple(groups)
 
-    FSDP2's own call lists every submodule of the model on each call (tens of microseconds
-    for a large model, twice per accumulation step); the FSDP modules are listed once instead
-    (the first call) and each one is switched with ``recurse=False``: the same flags end up
-    set. Modules sharded after that first call are not seen.
+
+def set_gradient_sync(model: nn.Module, requires_sync: bool) -> None:
+    """``model.set_requires_gradient_sync(requires_sync)`` in a few attribute writes.
+
+    FSDP2's own call lists every submodule of the model and looks up each FSDP module's state
+    on every call (about 2 us per FSDP module, so milliseconds per step for a model of
+    thousands of tensors, twice per accumulation step); here its parameter groups are listed
+    once (the first call) and each one's two flags are written, the same flags FSDP2's call
+    sets (``tests/multiproc/test_step_calls.py`` compares them). Modules sharded after
+    that first call are not seen.
 
     Example:
         >>> set_gradient_sync(model, False)  # backward keeps the gradients local
         >>> set_gradient_sync(model, True)
     """
-    targets = _sync_targets(model)
-    if not targets:
+    groups = _sync_targets(model)
+    if groups is None:
         model.set_requires_gradient_sync(requires_sync)  # type: ignore[operator]
         return
-    for module in targets:
-        module.set_requires_gradient_sync(requires_sync, recurse=False)  # type: ignore[operator]
+    for group in groups:
+        group.reduce_grads = requires_sync
+        group.all_reduce_grads = requires_sync
 
 
 def mark_replaced(model: nn.Module, before: dict[str, nn.Parameter]) -> None:
