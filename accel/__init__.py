@@ -28,6 +28,12 @@ from accel.errors import (
 )
 
 __version__ = "0.1.0"
+"""The installed accel version, a PEP 440 string.
+
+Example:
+    >>> accel.__version__
+    '0.1.0'
+"""
 
 # public name -> module that defines it (loaded on first attribute access). No module is named
 # like a public function: importing a submodule sets it as a package attribute, which would

@@ -29,12 +29,23 @@ __all__ = ["CheckpointInfo", "agree_on_copy", "load_into"]
 @attrs.frozen
 class CheckpointInfo:
     """What :func:`~accel.checkpoint.state.load_state` loaded: where from, which step, and
-    what it held."""
+    what it held.
+
+    Example:
+        >>> accel.save_state("ckpt", step=3, model=model)
+        >>> info = accel.load_state("ckpt", model=model)
+        >>> info.path, info.step, info.world_size, info.objects
+        (PosixPath('ckpt/checkpoint_3'), 3, 1, ('model',))
+    """
 
     path: Path
+    """The checkpoint directory that was loaded."""
     step: int | None
+    """The ``step`` it was saved with, or ``None``."""
     world_size: int
+    """The number of processes that saved it."""
     objects: tuple[str, ...]
+    """The names of the objects it holds (the keywords they were saved under)."""
 
 
 def load_into(name: str, obj: Any, state_dict: Any) -> None:
