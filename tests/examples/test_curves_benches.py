@@ -13,19 +13,15 @@ from typing import Any
 import pytest
 
 from accel.testing import run_script
+from tests.bench_modules import BENCH, load_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 ENV = {"OMP_NUM_THREADS": "1"}
 
 pytestmark = [pytest.mark.ci_extra, pytest.mark.slow]
 
 
 def _plotter() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("plot_curves", BENCH / "plot_curves.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("plot_curves")
 
 
 def _curves(out: Path) -> dict[str, dict[str, Any]]:

@@ -7,7 +7,6 @@ and point is there and the per-step call counts were taken.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 from types import ModuleType
@@ -15,17 +14,13 @@ from types import ModuleType
 import pytest
 
 from accel.testing import run_script
+from tests.bench_modules import BENCH, load_bench
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 SETTINGS = ("1proc", "ddp2", "fsdp2")
 
 
 def _plot_curves() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("plot_curves", BENCH / "plot_curves.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("plot_curves")
 
 
 def _curves(folder: pathlib.Path) -> dict[str, dict]:

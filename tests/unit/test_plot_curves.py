@@ -6,7 +6,6 @@ runs in the ci_extra step)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
@@ -14,15 +13,11 @@ from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench_modules import BENCH, load_bench
 
 
 def _plotter() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("plot_curves", BENCH / "plot_curves.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("plot_curves")
 
 
 SAMPLE: dict[str, Any] = {
