@@ -188,7 +188,7 @@ def _checkpoint(ns: argparse.Namespace) -> int:
 
 def _config_import(ns: argparse.Namespace) -> int:
     from accel.cli.config_import import Outcome, import_accelerate_config
-    from accel.core.settings import toml_value
+    from accel.core.setting_values import toml_value
 
     def show(outcome: Outcome) -> None:
         if outcome.status == "mapped":

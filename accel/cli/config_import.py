@@ -27,7 +27,8 @@ import attrs
 from accel.cli.config_reading import clip, read_config_file
 from accel.core.config_file import check_consistency, config_path
 from accel.core.env import environ_snapshot
-from accel.core.settings import did_you_mean, validate_setting
+from accel.core.setting_values import validate_setting
+from accel.core.settings import did_you_mean
 from accel.errors import ConfigError
 
 __all__ = [

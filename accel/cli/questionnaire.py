@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from accel.core.settings import (
-    DEFAULT_CPU_PROCESSES,
-    DEFAULT_PORT,
-    MIXED_PRECISION_MODES,
-    SETTINGS,
-    allowed,
-    validate_setting,
-)
+from accel.core.setting_values import allowed, validate_setting
+from accel.core.settings import DEFAULT_CPU_PROCESSES, DEFAULT_PORT, MIXED_PRECISION_MODES, SETTINGS
 from accel.errors import AbortedError, ConfigError
 
 __all__ = ["ask_config"]

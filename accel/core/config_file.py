@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from accel.core.env import LaunchEnv, read_launch_env, read_variable
-from accel.core.settings import SETTINGS, toml_value, validate_setting
+from accel.core.setting_values import toml_value, validate_setting
+from accel.core.settings import SETTINGS
 from accel.core.strict_json import parse_json
 from accel.errors import ConfigError
 

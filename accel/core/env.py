@@ -31,13 +31,8 @@ from typing import Literal
 
 import attrs
 
-from accel.core.settings import (
-    DEFAULT_PORT,
-    ENV_PREFIX,
-    POLICY_KEYS,
-    env_variable,
-    validate_setting,
-)
+from accel.core.setting_values import validate_setting
+from accel.core.settings import DEFAULT_PORT, ENV_PREFIX, POLICY_KEYS, env_variable
 from accel.errors import ConfigError
 
 __all__ = [

@@ -62,11 +62,8 @@ from accel.core.machines import (
     machines_of,
     this_peer,
 )
-from accel.core.settings import (
-    DEFAULT_HEARTBEAT_INTERVAL_S,
-    DEFAULT_LIVENESS_TIMEOUT_S,
-    validate_setting,
-)
+from accel.core.setting_values import validate_setting
+from accel.core.settings import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_LIVENESS_TIMEOUT_S
 from accel.core.state import ProcessState
 from accel.errors import ConfigError, MachineLostError
 

@@ -23,6 +23,7 @@ from accel.core.mesh import SIZE_KEYS, build_mesh, mesh_shape
 from accel.core.options import check_options
 from accel.core.scope import Scope, run_exit_steps
 from accel.core.seeding import set_seed
+from accel.core.setting_values import validate_setting
 from accel.core.settings import (
     BACKENDS,
     CP_METHODS,
@@ -32,7 +33,6 @@ from accel.core.settings import (
     POLICY_KEYS,
     CpMethod,
     env_variable,
-    validate_setting,
 )
 from accel.core.state import (
     Place,

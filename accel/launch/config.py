@@ -18,7 +18,8 @@ import attrs
 
 from accel.core.config_file import check_consistency
 from accel.core.env import LaunchEnv
-from accel.core.settings import POLICY_KEYS, SETTINGS, validate_setting
+from accel.core.setting_values import validate_setting
+from accel.core.settings import POLICY_KEYS, SETTINGS
 
 __all__ = ["Resolved", "Source", "default_settings", "resolve_settings"]
 

@@ -24,6 +24,7 @@ import attrs
 
 from accel.core.config_file import config_path, load_config
 from accel.core.env import LaunchEnv, read_launch_env, read_variable
+from accel.core.setting_values import allowed
 from accel.core.settings import (
     DEEPSPEED_KEYS,
     DEFAULT_CPU_PROCESSES,
@@ -35,7 +36,6 @@ from accel.core.settings import (
     PRECISION_KEYS,
     SETTINGS,
     STRATEGIES,
-    allowed,
     cpu_count,
     env_variable,
 )

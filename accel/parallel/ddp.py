@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from accel.core.once import first_time
+from accel.core.setting_values import check_power_sgd_options
 from accel.core.settings import (
     COMM_HOOKS,
     COMM_WRAPPERS,
     DDP_HOOK_KEYS,
     DDP_KEYWORDS,
     SETTINGS,
-    check_power_sgd_options,
     did_you_mean,
 )
 from accel.errors import ConfigError

@@ -19,7 +19,8 @@ from accel.core.config_file import (
     write_config,
 )
 from accel.core.env import LaunchEnv
-from accel.core.settings import SETTINGS, validate_setting
+from accel.core.setting_values import validate_setting
+from accel.core.settings import SETTINGS
 from accel.errors import AbortedError, ConfigError
 from accel.launch.config import Resolved, default_settings, resolve_settings
 

@@ -49,7 +49,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     )),
     ("config file", ("accel.core.config_file",)),
     ("environment", ("accel.core.env",)),
-    ("settings", ("accel.core.settings", "accel.core.strict_json", "accel.core.engine_facts")),
+    ("settings", (
+        "accel.core.settings", "accel.core.setting_values", "accel.core.strict_json",
+        "accel.core.engine_facts",
+    )),
     ("errors", ("accel.errors",)),
 ]
 _FEATURES = [name for name, _ in LAYERS].index("features")
@@ -635,6 +638,7 @@ def test_data_and_parallel_are_independent() -> None:
 def test_the_settings_layer_imports_only_errors() -> None:
     graph = import_graph()
     assert graph["accel.core.settings"] <= {"accel.errors"}
+    assert graph["accel.core.setting_values"] <= {"accel.core.settings", "accel.errors"}
     assert graph["accel.errors"] == set()
 
 

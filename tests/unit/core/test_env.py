@@ -6,6 +6,7 @@ from typing import get_args
 import attrs
 import pytest
 
+from accel.core import setting_values
 from accel.core import settings as settings_module
 from accel.core.config_file import parse_config
 from accel.core.env import (
@@ -13,6 +14,7 @@ from accel.core.env import (
     LaunchEnv,
     read_launch_env,
 )
+from accel.core.setting_values import validate_setting
 from accel.core.settings import (
     BACKENDS,
     DDP_HOOK_KEYS,
@@ -27,7 +29,6 @@ from accel.core.settings import (
     TRUE_WORDS,
     cpu_count,
     env_variable,
-    validate_setting,
 )
 from accel.errors import AccelError, ConfigError
 
@@ -289,6 +290,7 @@ def test_modules_take_the_definitions_from_the_settings_module() -> None:
     for module in (env_module, state_module, launch_config, run_module, _ddp):
         exported = set(getattr(module, "__all__", ()))
         assert not exported & set(settings_module.__all__), module.__name__
+        assert not exported & set(setting_values.__all__), module.__name__
     assert get_args(settings_module.MixedPrecision) == MIXED_PRECISION_MODES
     assert get_args(settings_module.Strategy) == STRATEGIES
     assert SETTINGS["backend"].choices == BACKENDS

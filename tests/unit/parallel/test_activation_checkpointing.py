@@ -18,7 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 import accel
-from accel.core.settings import validate_setting
+from accel.core.setting_values import validate_setting
 from accel.errors import ConfigError
 from accel.parallel.blockwise import CheckpointedForward, block_targets, compile_plan
 from accel.testing import run_script

@@ -17,7 +17,7 @@ from torch import nn
 import accel
 from accel.core.config_file import dump_config, parse_config
 from accel.core.scope import Scope
-from accel.core.settings import validate_setting
+from accel.core.setting_values import validate_setting
 from accel.core.state import ProcessState, set_state
 from accel.errors import ConfigError
 from accel.parallel import ddp as _ddp
