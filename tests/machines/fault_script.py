@@ -1,9 +1,15 @@
 """A training job for the fault tests: DDP steps on CPU until stopped, marks on the way.
 
-``python fault_script.py MODE MARKS`` under ``accel launch``: ``MODE`` is ``train`` (steps
-forever), ``slow`` (machine 1 pauses 3 x the liveness timeout mid-training: a sleep, a
-GIL-holding Python loop, then a long write, then all finish). ``MARKS`` is a directory on the
-shared disk where each rank writes ``<rank>.step`` once it trains.
+``python fault_script.py MODE MARKS [DISK]`` under ``accel launch``: ``MODE`` is ``train``
+(steps forever), ``slow`` (machine 1 pauses 3 x the liveness timeout mid-training: a sleep, a
+GIL-holding Python loop, then a long write, then all finish), ``save-local`` / ``save-shared``
+(a ``save_state`` at step 3, then at step 6 a second one in which machine 1 stops in the middle
+of writing its files and marks ``saving``: the test kills it there), ``resume-local`` /
+``resume-shared`` (``load_state`` of what is there, print the step it resumed from, then save
+again at that step + 4: the save that removes the dead one's leftovers).
+``MARKS`` is a directory on the shared disk where each rank writes ``<rank>.step`` once it
+trains; the ``-local`` checkpoints go to ``DISK/ckpt`` (each machine's own disk, one copy per
+machine), the ``-shared`` ones to ``MARKS/ckpt``.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from torch import nn
 import accel
 
 MODE, MARKS = sys.argv[1], Path(sys.argv[2])
+KIND = MODE.partition("-")[2]  # local / shared, for the save and resume modes
+ROOT = f"{sys.argv[3]}/ckpt" if KIND == "local" else str(MARKS / "ckpt")
 PAUSE = 3 * float(os.environ.get("ACCEL_LIVENESS_TIMEOUT", "10"))
 
 
@@ -37,10 +45,34 @@ def _pause(kind: str) -> None:
                 file.write(os.urandom(1 << 20))
 
 
+def _stall_the_writes() -> None:
+    """This machine's save stops after its first write, as a machine dying mid-save would."""
+    from accel._files import writer
+
+    write = writer._pwrite_all
+
+    def first_then_stall(fd: int, data: memoryview, offset: int) -> None:
+        write(fd, data, offset)
+        (MARKS / "saving").write_text(str(os.getpid()))
+        time.sleep(3600)
+
+    writer._pwrite_all = first_then_stall
+
+
+def _save(step: int) -> None:
+    accel.save_state(ROOT, step=step, on_each_node=KIND == "local", model=model, optimizer=opt)
+
+
 with accel.distributed(cpu=True, seed=0) as st:
     model = nn.Linear(32, 32)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     model, opt = accel.prepare(model, opt)
+    if MODE.startswith("resume"):
+        info = accel.load_state(ROOT, on_each_node=KIND == "local", model=model, optimizer=opt)
+        print(f"rank {st.rank} resumed from {accel.latest_checkpoint(ROOT)} step {info.step}",
+              flush=True)
+        _save(info.step + 4)
+        sys.exit(0)
     step = 0
     while True:
         x = torch.randn(16, 32)
@@ -53,6 +85,12 @@ with accel.distributed(cpu=True, seed=0) as st:
             (MARKS / f"{st.rank}.step").write_text(str(step))
         if MODE == "slow" and st.node_rank == 1 and step in (5, 6, 7):
             _pause({5: "sleep", 6: "gil", 7: "write"}[step])
+        if MODE.startswith("save") and step == 3:
+            _save(3)
+        if MODE.startswith("save") and step == 6:
+            if st.node_rank == 1:
+                _stall_the_writes()
+            _save(6)
         if MODE == "slow" and step == 10:
             break
         time.sleep(0.02)

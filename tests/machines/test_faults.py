@@ -1,9 +1,11 @@
 """Machine faults on namespaced machines (accel.testing.machines), each ending every surviving
 machine's job within seconds with an accel error naming the lost machine: a machine's
 processes SIGKILLed mid-training, its link cut mid all-reduce (both sides end, each naming
-the other), a machine that never arrives at start-up (named within --rendezvous-timeout), and
-a slow machine (sleep, GIL-holding loop, long write: 3 x the liveness timeout) never declared
-lost. The seconds each took are printed; the tests bound them only by generous waits.
+the other), a machine that never arrives at start-up (named within --rendezvous-timeout), a
+machine killed in the middle of ``save_state`` (the previous checkpoint stays the latest on
+every machine, and the job resumes from it), and a slow machine (sleep, GIL-holding loop,
+long write: 3 x the liveness timeout) never declared lost. The seconds
+each took are printed; the tests bound them only by generous waits.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import accel
 from accel.testing.machines import Machines, requires_machines
 from tests.cli._helpers import clean_env
 
@@ -91,6 +94,47 @@ def test_c_a_machine_that_never_arrives_is_named(tmp_path: Path) -> None:
                                    env=_env(tmp_path), cwd=tmp_path)
         assert alone.wait(timeout=90) == 1, alone.output
         assert "could not be reached from node rank 1" in alone.output, alone.output
+
+
+@pytest.mark.parametrize("kind", ["local", "shared"])
+def test_d_a_machine_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Path,
+                                                                    kind: str) -> None:
+    with Machines(2, shared=tmp_path) as bed:
+        marks = tmp_path / "marks"
+        marks.mkdir()
+        args = [f"save-{kind}", str(marks), str(bed.disk_path)]
+        runs = bed.accel_launch([SCRIPT, *args], env=_env(tmp_path), cwd=tmp_path)
+        deadline = time.monotonic() + 90
+        while not (marks / "saving").exists():  # machine 1 is writing checkpoint_6's files
+            assert time.monotonic() < deadline, [run.output for run in runs]
+            time.sleep(0.1)
+        start = time.monotonic()
+        bed.kill(1)
+        code = runs[0].wait(timeout=60)
+        print(f"machine 0 ended {time.monotonic() - start:.1f}s after machine 1 died mid-save")
+        out = runs[0].output
+        assert code != 0, out
+        assert "MachineLostError" in out, out
+        assert f"machine {bed.hostname(1)!r} (node rank 1, ranks [1])" in out, out
+        roots = [bed.disk(k) / "ckpt" for k in range(2)] if kind == "local" else [marks / "ckpt"]
+        unfinished = [p for root in roots for p in root.iterdir() if p.name.startswith(".")
+                      and p.is_dir()]  # the dead save's hidden directories, never renamed
+        assert len(unfinished) == len(roots), unfinished
+        for root in roots:  # each machine's copy (local) or the one copy (shared)
+            assert [p.name for p in sorted(root.iterdir()) if not p.name.startswith(".")] == [
+                "checkpoint_3"], sorted(root.iterdir())
+            assert accel.latest_checkpoint(root) == root / "checkpoint_3"
+        resumed = bed.accel_launch([SCRIPT, f"resume-{kind}", *args[1:]], env=_env(tmp_path),
+                                   cwd=tmp_path)
+        codes = [run.wait(timeout=90) for run in resumed]
+        outputs = [run.output for run in resumed]
+        assert codes == [0, 0], outputs
+        for rank, output in enumerate(outputs):
+            assert f"rank {rank} resumed from " in output and "checkpoint_3 step 3" in output, (
+                output)
+        for root in roots:  # the resumed job's save removed the dead save's leftovers
+            assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [
+                "checkpoint_3", "checkpoint_7"], sorted(root.iterdir())
 
 
 def test_a_slow_machine_is_not_lost(tmp_path: Path) -> None:
