@@ -19,7 +19,11 @@ Settings (``--settings``), each against its yardstick in the same processes:
 
 accel's loop: ``with accel.accumulate(model): accel.backward(loss); opt.step();
 opt.zero_grad()`` with a prepared optimizer; the raw loop divides the loss by the accumulation
-steps and steps on sync steps. Both run in alternating windows of whole accumulation cycles
+steps and steps on sync steps. Both bind the loss to a name (``loss = ...``) and keep it to the
+next step: passing it as a temporary (``backward(loss_fn(...))``) frees its autograd graph at
+another point of the step, which costs raw torch itself +13 us at 40 tensors and +142 us at 400
+on this machine (an A/A run of the raw loop both ways), and was billed to accel before.
+Both run in alternating windows of whole accumulation cycles
 (steps per window chosen so a raw window takes about ``--window-ms``; ``--windows`` pairs, fewer
 where they would take over ``--point-s``, not below ``--min-windows``: FSDP2 at 4,000 tensors
 takes ~1 s a step on the 2-core machine); a window's time is the slowest rank's. Per point:
@@ -137,7 +141,8 @@ def _accel_loop(model: nn.Module, opt: Any, data: Any) -> Callable[[int], float]
         start = time.perf_counter()
         for _ in range(steps):
             with accel.accumulate(model):
-                accel.backward(loss_fn(model(x), y))
+                loss = loss_fn(model(x), y)  # bound as in the raw loop: see the docstring
+                accel.backward(loss)
                 opt.step()
                 opt.zero_grad()
         return time.perf_counter() - start

@@ -1,6 +1,7 @@
-"""accel._files.writer on a memory filesystem (/dev/shm): no checker thread, a writer thread
-only per file of 64 MiB or more (the save is the copy, fastest from a slice the same thread
-just checksummed); the bytes and CRCs are the same as on a disk."""
+"""accel._files.writer on a memory filesystem (/dev/shm): a save of small files in the calling
+thread; with files of 64 MiB or more, a writer per such file and a checker beside them where
+the process has two CPUs (one fewer writer than CPUs), none with one CPU; the bytes and CRCs
+are the same as on a disk."""
 
 from __future__ import annotations
 
@@ -62,10 +63,16 @@ def _check(where: Path, records: list[Any]) -> None:
         assert (record.size, record.crc32) == (len(data), zlib.crc32(data))
 
 
-def test_one_large_file_is_written_in_the_calling_thread(
+def test_small_files_are_written_in_the_calling_thread(shm: Path, pools: list[int]) -> None:
+    _check(shm, write_files(_files(shm, 3), workers=4))  # 16 KiB tensor files: all small
+    assert pools == []  # no checker, no writer thread
+
+
+def test_one_large_file_with_one_cpu_is_written_in_the_calling_thread(
     shm: Path, pools: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_writer, "_OWN_THREAD", 10_000)  # the tensor files count as large
+    monkeypatch.setattr(_writer, "_usable_cpus", lambda: 1)
     files = _files(shm, 1)
     _check(shm, write_files(files, workers=4))
     assert pools == []  # no checker, no writer thread
@@ -76,14 +83,20 @@ def test_one_large_file_is_written_in_the_calling_thread(
         os.close(fd)
 
 
-def test_large_files_get_a_writer_each_and_no_checker(
+def test_large_files_get_a_writer_each_and_a_checker(
     shm: Path, pools: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_writer, "_OWN_THREAD", 10_000)
+    monkeypatch.setattr(_writer, "_usable_cpus", lambda: 8)
+    _check(shm, write_files(_files(shm, 1), workers=4))
+    assert pools == [2]  # one writer and the checker
     _check(shm, write_files(_files(shm, 2), workers=4))
-    assert pools == [2]
+    assert pools == [2, 3]
     _check(shm, write_files(_files(shm, 5), workers=4))
-    assert pools == [2, 3]  # at most workers - 1 writers
+    assert pools == [2, 3, 4]  # at most workers - 1 writers, and the checker
+    monkeypatch.setattr(_writer, "_usable_cpus", lambda: 2)
+    _check(shm, write_files(_files(shm, 5), workers=4))
+    assert pools == [2, 3, 4, 2]  # two CPUs: one writer and the checker
 
 
 def test_a_disk_keeps_its_checker(tmp_path: Path, pools: list[int]) -> None:
