@@ -41,6 +41,15 @@ def paired(raw: list[float], other: list[float]) -> dict[str, Any]:
             "raw_iqr": quartiles(raw), "other_iqr": quartiles(other)}
 
 
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages as ``/proc/loadavg`` gives them; ``"unknown"``."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def command_line() -> str:
     """The command that ran this bench, as typed from the repository root."""
     script = Path(sys.argv[0])

@@ -57,7 +57,12 @@ import tempfile
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from curve_record import loadavg
 
 ROWS: dict[str, dict[str, Any]] = {
     "default": {"interval": 1.0, "timeout": 10.0, "model": "small"},
@@ -354,14 +359,6 @@ def run(config: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
     return reports
 
 
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         worker(json.loads(sys.argv[2]), sys.argv[3])
@@ -388,7 +385,7 @@ def main() -> None:
 
     report: dict[str, Any] = {
         "torch": torch.__version__, "python": sys.version.split()[0],
-        "host": socket.gethostname(), "cpus": os.cpu_count(), "loadavg": _loadavg(),
+        "host": socket.gethostname(), "cpus": os.cpu_count(), "loadavg": loadavg(),
         "clock": "wall (time.perf_counter), rank 0", "config": config,
     }
     started = time.monotonic()
@@ -401,7 +398,7 @@ def main() -> None:
     report["num_nodes_seen"] = [r["num_nodes"] for r in reports]
     report["rows"] = rows
     report["seconds"] = round(time.monotonic() - started, 1)
-    report["loadavg_after"] = _loadavg()
+    report["loadavg_after"] = loadavg()
     text = json.dumps(report, indent=2)
     print(text)
     if args.json_out:

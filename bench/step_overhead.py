@@ -26,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,10 @@ from torch import nn
 
 import accel
 from accel.testing import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from curve_record import loadavg
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _clock = time.perf_counter  # --clock cpu: time.thread_time (CPU time of this thread)
@@ -164,7 +169,7 @@ def main() -> None:
     report: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0],
                               "windows": args.windows, "steps_per_window": args.steps,
                               "raw_fp32_outputs": args.raw_fp32_outputs, "clock": args.clock,
-                              "loadavg": _loadavg()}
+                              "loadavg": loadavg()}
     for procs in args.procs:
         for accumulation in args.accumulation:
             for _ in range(args.rounds):
@@ -182,16 +187,8 @@ def main() -> None:
                     old = report.get(key)
                     if old is None or result["overhead_us"] < old["overhead_us"]:
                         report[key] = result
-    report["loadavg_after"] = _loadavg()
+    report["loadavg_after"] = loadavg()
     print(json.dumps(report, indent=2))
-
-
-def _loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

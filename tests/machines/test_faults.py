@@ -46,18 +46,23 @@ def _start(bed: Machines, tmp_path: Path, mode: str, nproc: int = 1) -> tuple[li
     return runs, marks
 
 
+def _kill_machine_1(bed: Machines, runs: list, ranks: str, what: str) -> None:
+    """SIGKILL machine 1; machine 0's job must end naming it (hostname, node rank, ``ranks``)."""
+    start = time.monotonic()
+    bed.kill(1)
+    code = runs[0].wait(timeout=60)
+    print(f"machine 0 ended {time.monotonic() - start:.1f}s after machine 1 {what}")
+    out = runs[0].output
+    assert code != 0, out
+    assert "MachineLostError" in out, out
+    assert f"machine {bed.hostname(1)!r} (node rank 1, ranks {ranks})" in out, out
+
+
 def test_a_killed_machine_is_named_on_the_survivor(tmp_path: Path) -> None:
     with Machines(2, shared=tmp_path) as bed:
         runs, marks = _start(bed, tmp_path, "train", nproc=2)
         _training(marks, 4)
-        start = time.monotonic()
-        bed.kill(1)
-        code = runs[0].wait(timeout=60)
-        print(f"machine 0 ended {time.monotonic() - start:.1f}s after machine 1 was killed")
-        out = runs[0].output
-        assert code != 0, out
-        assert "MachineLostError" in out, out
-        assert f"machine {bed.hostname(1)!r} (node rank 1, ranks [2, 3])" in out, out
+        _kill_machine_1(bed, runs, "[2, 3]", "was killed")
 
 
 def test_b_a_cut_link_ends_both_sides_each_naming_the_other(tmp_path: Path) -> None:
@@ -108,14 +113,7 @@ def test_d_a_machine_killed_mid_save_leaves_the_previous_checkpoint(tmp_path: Pa
         while not (marks / "saving").exists():  # machine 1 is writing checkpoint_6's files
             assert time.monotonic() < deadline, [run.output for run in runs]
             time.sleep(0.1)
-        start = time.monotonic()
-        bed.kill(1)
-        code = runs[0].wait(timeout=60)
-        print(f"machine 0 ended {time.monotonic() - start:.1f}s after machine 1 died mid-save")
-        out = runs[0].output
-        assert code != 0, out
-        assert "MachineLostError" in out, out
-        assert f"machine {bed.hostname(1)!r} (node rank 1, ranks [1])" in out, out
+        _kill_machine_1(bed, runs, "[1]", "died mid-save")
         roots = [bed.disk(k) / "ckpt" for k in range(2)] if kind == "local" else [marks / "ckpt"]
         unfinished = [p for root in roots for p in root.iterdir() if p.name.startswith(".")
                       and p.is_dir()]  # the dead save's hidden directories, never renamed
