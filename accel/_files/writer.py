@@ -47,6 +47,7 @@ from accel._files import crc as _crc
 from accel._files.crc import join_crcs
 from accel._files.format import FileRecord, byte_view, on_host, safetensors_prefix
 from accel._files.safe_io import open_write
+from accel.core.settings import cpu_count
 from accel.errors import CheckpointCancelledError
 
 __all__ = ["PlannedFile", "plan_bytes", "plan_safetensors", "write_files"]
@@ -271,12 +272,6 @@ class _Run:
                     file.done()
 
 
-def _usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask where the OS has one)."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
-
-
 def _threads(busy: list[_File], workers: int) -> tuple[int, bool]:
     """How many writer threads, and whether a checker runs beside them.
 
@@ -291,7 +286,7 @@ def _threads(busy: list[_File], workers: int) -> tuple[int, bool]:
     if any(file.writeback for file in busy):
         return min(len(busy), workers - 1), True
     large = sum(file.planned.size >= _OWN_THREAD for file in busy)
-    cpus = _usable_cpus()
+    cpus = cpu_count()
     if large == 0 or cpus < 2:
         return 1, False
     return max(1, min(large, workers - 1, cpus - 1)), True

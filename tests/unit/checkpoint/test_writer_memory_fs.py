@@ -72,7 +72,7 @@ def test_one_large_file_with_one_cpu_is_written_in_the_calling_thread(
     shm: Path, pools: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_writer, "_OWN_THREAD", 10_000)  # the tensor files count as large
-    monkeypatch.setattr(_writer, "_usable_cpus", lambda: 1)
+    monkeypatch.setattr(_writer, "cpu_count", lambda: 1)
     files = _files(shm, 1)
     _check(shm, write_files(files, workers=4))
     assert pools == []  # no checker, no writer thread
@@ -87,14 +87,14 @@ def test_large_files_get_a_writer_each_and_a_checker(
     shm: Path, pools: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_writer, "_OWN_THREAD", 10_000)
-    monkeypatch.setattr(_writer, "_usable_cpus", lambda: 8)
+    monkeypatch.setattr(_writer, "cpu_count", lambda: 8)
     _check(shm, write_files(_files(shm, 1), workers=4))
     assert pools == [2]  # one writer and the checker
     _check(shm, write_files(_files(shm, 2), workers=4))
     assert pools == [2, 3]
     _check(shm, write_files(_files(shm, 5), workers=4))
     assert pools == [2, 3, 4]  # at most workers - 1 writers, and the checker
-    monkeypatch.setattr(_writer, "_usable_cpus", lambda: 2)
+    monkeypatch.setattr(_writer, "cpu_count", lambda: 2)
     _check(shm, write_files(_files(shm, 5), workers=4))
     assert pools == [2, 3, 4, 2]  # two CPUs: one writer and the checker
 
