@@ -1,7 +1,12 @@
 """The ``clearml`` tracker against the real package, in offline mode: the offline session
 folder ClearML names (``Task.get_offline_mode_folder``) is read back, its config with ClearML's
 own HOCON parser. ClearML keeps no task status offline, so the failed case checks the kept
-session only. One test: ClearML allows one task per process and starts slowly."""
+session only. One test: ClearML allows one task per process and starts slowly.
+
+Repository detection is off (``detect_repository: False``): ClearML runs ``git status`` /
+``git diff`` on the repository of ``sys.argv[0]`` (here the checkout pytest runs from) in a
+thread and ``Task.close`` waits up to 300 s for it; on a CI clone that wait once took the whole
+test timeout. What the test reads back does not depend on it."""
 
 from __future__ import annotations
 
@@ -17,9 +22,13 @@ from accel.testing import fake_state
 pytestmark = [pytest.mark.ci_extra, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
+_NO_REPOSITORY = {"auto_connect_frameworks": {"detect_repository": False}}
+
+
 def _loop(project: Path, run_name: str, fail: bool = False) -> Any:
     with accel.tracking(
-        project, log_with="clearml", config={"lr": 0.1, "path": Path("data")}, run_name=run_name
+        project, log_with="clearml", config={"lr": 0.1, "path": Path("data")}, run_name=run_name,
+        init_kwargs={"clearml": _NO_REPOSITORY},
     ):
         for step in range(3):
             accel.log({"loss": 1.0 / (step + 1), "eval": {"acc": step / 4}}, step=step)
