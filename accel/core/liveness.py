@@ -184,13 +184,17 @@ def hear(hearing: Hearing, counts: Mapping[int, int | None], nodes: Mapping[int,
 
 
 def verdict(hearing: Hearing, now: float, timeout: float, nodes: Mapping[int, int], *,
-            own_node: int, store_node: int) -> tuple[int, float, bool] | None:
+            own_node: int, store_node: int,
+            interval: float = DEFAULT_HEARTBEAT_INTERVAL_S) -> tuple[int, float, bool] | None:
     """The machine to declare lost at ``now``: ``(node rank, seconds unheard, whether it is
     the store's host unreachable from here)``, or ``None``.
 
     The store unanswered for ``timeout`` seconds names the store's machine; otherwise the
     machine (other than this one) unheard the longest past ``timeout``, among those with a
-    rank still in its block.
+    rank still in its block. When that machine is the store's and the store has not answered
+    for two heartbeat ``interval`` s either, it is the store's machine that is unreachable
+    (its last stamp can lag the store's last answer by an interval, so its silence passes
+    ``timeout`` first).
 
     Example:
         >>> h = Hearing.first(0.0, {0: 0, 1: 1})
@@ -207,6 +211,9 @@ def verdict(hearing: Hearing, now: float, timeout: float, nodes: Mapping[int, in
     if not silent:
         return None
     seconds, node = max(silent)
+    unanswered = now - hearing.answered
+    if node == store_node and unanswered >= 2 * interval:
+        return node, unanswered, True
     return node, seconds, False
 
 
@@ -382,7 +389,8 @@ class Watch:
                 return self._lost(0, silent, store=True)
             return None
         found = verdict(self.hearing, self._clock(), self.bounds.timeout, self._nodes,
-                        own_node=self.node_rank, store_node=self._store_node())
+                        own_node=self.node_rank, store_node=self._store_node(),
+                        interval=self.bounds.interval)
         return None if found is None else self._lost(*found[:2], store=found[2])
 
     def _lost(self, node: int, seconds: float, *, store: bool) -> MachineLostError:

@@ -77,7 +77,7 @@ def test_b_a_cut_link_ends_both_sides_each_naming_the_other(tmp_path: Path) -> N
         zero, one = runs[0].output, runs[1].output
         assert f"Lost machine {bed.hostname(1)!r} (node rank 1, ranks [1])" in zero, zero
         assert f"Lost machine {bed.hostname(0)!r} (node rank 0, ranks [0])" in one, one
-        assert "which holds the job's store" in one
+        assert "which holds the job's store" in one, one
         bed.restore(1)
 
 

@@ -67,6 +67,19 @@ def test_the_store_unanswered_names_its_machine_and_left_ranks_are_not_lost() ->
     assert verdict(left, 40.0, 5.0, NODES, own_node=0, store_node=0) is None
 
 
+def test_a_cut_link_to_the_store_machine_is_named_as_the_store_even_when_its_stamp_lags() -> None:
+    # The store last answered at 10.0 with machine 0's counters unchanged (its ranks stamp
+    # between this watch's reads), so machine 0 was last heard at 9.0; then the link is cut.
+    h = hear(Hearing.first(0.0, NODES), {0: 1, 1: 1, 2: 1, 3: 1}, NODES, 9.0)
+    h = hear(h, {0: 1, 1: 1, 2: 2, 3: 2}, NODES, 10.0)
+    # At 19.0 machine 0 is 10 s unheard, the store 9 s unanswered: the store's machine is lost.
+    assert verdict(h, 19.0, 10.0, NODES, own_node=1, store_node=0, interval=1.0) == (0, 9.0, True)
+    # A store that still answers (only machine 0's processes are gone) is no store loss.
+    alive = hear(h, {0: 1, 1: 1, 2: 3, 3: 3}, NODES, 18.5)
+    assert verdict(alive, 19.0, 10.0, NODES, own_node=1, store_node=0,
+                   interval=1.0) == (0, 10.0, False)
+
+
 class FakeStore:
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
