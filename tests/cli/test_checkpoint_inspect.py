@@ -225,6 +225,7 @@ def test_fsdp_checkpoint_mesh_pieces_and_coverage(
 
 
 @pytest.mark.slow  # four processes
+@pytest.mark.ci_extra
 def test_a_pipelined_checkpoint_shows_the_pp_dim_and_each_stages_modules(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

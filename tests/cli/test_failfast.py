@@ -148,6 +148,7 @@ def _notebook(tmp_path: Path, mode: str, bound: float) -> dict[str, tuple[str, A
     return found
 
 
+@pytest.mark.ci_extra
 def test_notebook_launcher_restarts_after_an_exception_and_finishes(tmp_path: Path) -> None:
     found = _notebook(tmp_path, "restart", RESTART_BOUND_S)
     assert found["restart"] == ("RESULT", [{"rank": 0, "attempt": 1}, {"rank": 1, "attempt": 1}])

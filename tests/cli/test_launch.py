@@ -28,6 +28,7 @@ from tests.cli._helpers import (
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_two_cpu_processes_train_with_options(tmp_path: Path) -> None:
     write_script(tmp_path)
     done = run_accel(tmp_path, "launch", "--nproc-per-node", "2", "--mixed-precision", "bf16",
@@ -88,6 +89,7 @@ def test_two_launches_at_once_use_different_free_ports(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_a_failing_rank_is_reported_with_its_traceback(tmp_path: Path) -> None:
     write_script(tmp_path, text=(
         "import accel\n"

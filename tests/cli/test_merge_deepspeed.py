@@ -81,6 +81,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"root": root, **result}
 
 
+@pytest.mark.ci_extra
 def test_zero2_directory_merges_to_from_pretrained_weights(
     saved: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -26,6 +26,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.ci_extra
 def test_deepspeed_example_trains_and_its_checkpoint_loads_in_one_process(
     tmp_path: pathlib.Path,
 ) -> None:

@@ -75,6 +75,7 @@ def test_resume_example_continues_where_it_stopped(tmp_path: pathlib.Path) -> No
 
 
 @pytest.mark.slow  # notebook_launcher starts torch's elastic agent and forks 2 workers
+@pytest.mark.ci_extra
 def test_notebook_launcher_example_from_plain_python(tmp_path: pathlib.Path) -> None:
     # the launcher's own end-to-end test (a fresh interpreter) is in tests/cli/test_notebook.py
     done = _run("notebook_launcher.py", "--epochs", "1", "--num-processes", "2", cwd=tmp_path,

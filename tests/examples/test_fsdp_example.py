@@ -60,6 +60,7 @@ def _eval_loss(stdout: str, step: int) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_fsdp_example_saves_on_two_and_resumes_on_three(tmp_path: pathlib.Path) -> None:
     ex = _example()
     out = tmp_path / "run"

@@ -93,6 +93,7 @@ def _global_batches(ex: ModuleType, args: object, count: int) -> list[torch.Tens
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.ci_extra
 def test_stopped_on_two_processes_resumed_on_one(case: str, tmp_path: pathlib.Path) -> None:
     ex = _example()
     out = tmp_path / "run"

@@ -18,6 +18,7 @@ def _steps(stdout: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_every_mesh_prints_the_losses_of_one_process(tmp_path: pathlib.Path) -> None:
     one = run_script(EXAMPLE, "--steps", "3", world_size=1, launch=False, timeout=240)
     want = _steps(one.output)

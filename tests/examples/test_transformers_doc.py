@@ -71,6 +71,7 @@ def _run(runner: pathlib.Path, blocks: list[str], cwd: pathlib.Path, launch: boo
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_doc_blocks_run(tmp_path: pathlib.Path) -> None:
     files: dict[str, list[str]] = {"launch": [], "python": []}
     for i, (kind, code) in enumerate(_blocks()):

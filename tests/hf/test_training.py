@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytestmark = [
     pytest.mark.preload(*M.PRELOAD),  # the workers' transformers and peft, imported once
+    pytest.mark.ci_extra,  # ~100 s of the suite's 2 cores on a slow machine
     pytest.mark.slow,  # one launch of 2 processes trains every family 8 ways
     pytest.mark.filterwarnings("ignore:.*will be removed in v6:FutureWarning"),  # peft's calls
 ]

@@ -22,6 +22,7 @@ HERE = pathlib.Path(__file__).parent
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["step", "fixed"])
+@pytest.mark.ci_extra
 def test_kill_before_every_file_operation_of_save_state(
     tmp_path: pathlib.Path, mode: str
 ) -> None:

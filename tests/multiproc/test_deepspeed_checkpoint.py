@@ -140,6 +140,7 @@ def test_plain_checkpoint_resumes_under_zero2(tmp_path: Path) -> None:
     _same_next_step(plain[0], zero[0])
 
 
+@pytest.mark.ci_extra
 def test_plain_checkpoint_resumes_under_zero3_on_three_ranks_and_back(tmp_path: Path) -> None:
     # 3 ranks divide none of the parameters' sizes (80, 16, 32, 2): each last partition ends
     # in padding, and the 2-value bias leaves the third rank padding only. The load set the

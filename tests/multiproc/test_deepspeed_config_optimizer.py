@@ -90,6 +90,7 @@ def _plain(schedule: Callable[[torch.optim.Optimizer], Any] | None = None
     return model, losses
 
 
+@pytest.mark.ci_extra
 def test_the_configs_adamw_trains_as_torch_adamw_resumes_and_builds_nothing(
         tmp_path: Path) -> None:
     had_extensions = os.path.isdir(os.path.expanduser("~/.cache/torch_extensions"))

@@ -123,6 +123,7 @@ def _same_next_step(got: dict[str, Any], expected: dict[str, Any]) -> None:
     assert len(got["told"]) == 1 and "RNG states" in got["told"][0], got["told"]
 
 
+@pytest.mark.ci_extra
 def test_zero2_resumes_in_one_plain_process(saved: dict[str, Any]) -> None:
     with accel.distributed():
         got = _resume(str(saved["root"] / "zero2"), scheduler=True)
@@ -155,6 +156,7 @@ def test_zero3_resumes_under_ddp_on_2_processes(saved: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_zero3_resumes_under_deepspeed_zero2_through_accel(saved: dict[str, Any]) -> None:
     got = run_distributed(_resume, str(saved["root"] / "zero3"), False, world_size=2,
                           timeout=120, strategy="deepspeed", zero_stage=2)[0]

@@ -99,6 +99,7 @@ def _zero_run(clip: float | None, save_to: str | None) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.ci_extra
 def test_zero_stages_with_accumulation_and_clipping_equal_one_process(
     stage: int, tmp_path: Path
 ) -> None:
@@ -125,6 +126,7 @@ def test_zero_stages_with_accumulation_and_clipping_equal_one_process(
 
 
 @pytest.mark.parametrize(("stage", "params"), [(2, None), (3, "cpu")])
+@pytest.mark.ci_extra
 def test_cpu_offload_trains_with_the_torch_optimizer_as_one_process(
     stage: int, params: str | None
 ) -> None:
@@ -199,6 +201,7 @@ def _errors_run(config_path: str) -> list[str]:
     return caught
 
 
+@pytest.mark.ci_extra
 def test_loop_mistakes_are_config_errors(tmp_path: Path) -> None:
     path = tmp_path / "ds.json"
     path.write_text('{"gradient_clipping": 1.0, "zero_optimization": {"stage": "auto"}, '
@@ -224,6 +227,7 @@ def _gpt2_run(zero: bool) -> dict[str, Any]:
 
 @pytest.mark.slow  # transformers in the workers
 @pytest.mark.preload("transformers", "transformers.models.gpt2.modeling_gpt2")
+@pytest.mark.ci_extra
 def test_transformers_gpt2_under_zero3_equals_one_process() -> None:
     pytest.importorskip("transformers")
     config = {

@@ -368,6 +368,7 @@ def _resume_run(script: pathlib.Path, root: pathlib.Path, die_at: int, out: path
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_fsdp_killed_and_resumed_run_is_bit_exact(tmp_path: pathlib.Path) -> None:
     script = tmp_path / "fsdp_resume.py"
     script.write_text(RESUME_SCRIPT)

@@ -372,6 +372,7 @@ def _fp16_body() -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_fp16_overflow_on_one_shard_skips_the_step_on_every_rank() -> None:
     results = run_distributed(_fp16_body, world_size=2, timeout=180)
     assert results[0]["skipped"] == results[1]["skipped"]  # the ranks agree on every step

@@ -106,6 +106,7 @@ def _returns_at_once() -> int:
 
 
 @pytest.mark.slow  # 15 runs
+@pytest.mark.ci_extra
 def test_ranks_that_return_at_once_do_not_break_a_peer_still_connecting() -> None:
     # A rank whose function makes no collective used to leave (destroying its group) while a
     # peer was still in gloo's connectFullMesh: "Connection closed by peer" (~1 run in 20 on

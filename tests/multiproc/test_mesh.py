@@ -60,6 +60,7 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any], atol: float = 1e-5) 
 @pytest.mark.parametrize(
     "mesh", [m if m == "tp2xfsdp2" else pytest.param(m, marks=pytest.mark.slow) for m in MESHES]
 )
+@pytest.mark.ci_extra
 def test_mlp_on_a_mesh_equals_one_process(mesh: str) -> None:
     out = run_distributed(mm.train, "mlp", world_size=4, timeout=240, **MESHES[mesh])
     _assert_same(out[0], _one_process("mlp"))
@@ -93,6 +94,7 @@ def test_accumulation_and_activation_checkpointing_on_tp_x_fsdp() -> None:
 @HF
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["tp2xfsdp2", "tp4", "tp2xreplicate2"])
+@pytest.mark.ci_extra
 def test_llama_with_its_own_plan_equals_one_process(mesh: str) -> None:
     out = run_distributed(mm.train, "llama", world_size=4, timeout=300, **MESHES[mesh])
     _assert_same(out[0], _one_process("llama"))
@@ -163,6 +165,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(mesh: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_mixed_precision_on_tp_x_fsdp_trains_close_to_one_process() -> None:
     want = _one_process_mixed("bf16")
     out = run_distributed(mm.train, "mlp", world_size=4, timeout=240, mixed_precision="bf16",
@@ -213,6 +216,7 @@ def test_a_checkpoint_travels_2x2_to_4x1_to_1_to_2x2(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # compiles every block on 4 processes
+@pytest.mark.ci_extra
 def test_regional_compile_on_tp_x_fsdp_equals_one_process() -> None:
     out = run_distributed(mm.train_compiled, "mlp", 3, world_size=4, timeout=300,
                           **MESHES["tp2xfsdp2"])
@@ -220,6 +224,7 @@ def test_regional_compile_on_tp_x_fsdp_equals_one_process() -> None:
 
 
 @pytest.mark.parametrize("mesh", ["tp2", pytest.param("tp2xfsdp2", marks=pytest.mark.slow)])
+@pytest.mark.ci_extra
 def test_a_foreach_optimizer_steps_plain_and_dtensor_parameters_together(mesh: str) -> None:
     """Without FSDP the head stays a plain tensor beside the TP blocks' DTensors: torch's
     foreach step refuses that mix unless the plain ones count as replicated."""
@@ -243,6 +248,7 @@ def test_a_tp_group_sees_the_same_batches_and_metrics_count_each_sample_once(
 
 @pytest.mark.slow
 @HF
+@pytest.mark.ci_extra
 def test_prepare_splits_a_transformers_model_by_its_own_plan() -> None:
     """accel.prepare(model, optimizer, loader) under tp_size=2: no tp_plan given, the Llama is
     split by its own plan, the optimizer made before is moved onto the split parameters."""

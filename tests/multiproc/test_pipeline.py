@@ -53,6 +53,7 @@ def test_every_schedule_on_two_stages_equals_one_process(schedule: str) -> None:
     assert all(out[0]["weights"].keys().isdisjoint(o["weights"].keys()) for o in out[1:])
 
 
+@pytest.mark.ci_extra
 def test_four_stages_and_pp_x_fsdp_with_accumulation_equal_one_process() -> None:
     four = run_distributed(pm.train_deep, "Interleaved1F1B", world_size=4, timeout=120,
                            pp_size=4)
@@ -108,6 +109,7 @@ def test_a_transformers_llama_split_auto_equals_one_process() -> None:
 @pytest.mark.preload("transformers", "transformers.models.llama.modeling_llama",
                      "transformers.models.gpt2.modeling_gpt2")
 @pytest.mark.parametrize("family", ["gpt2", "llama-tied"])
+@pytest.mark.ci_extra
 def test_an_lm_head_tied_to_the_embedding_trains_on_two_stages_and_resumes_on_one(
     family: str, tmp_path: Path,
 ) -> None:
@@ -149,6 +151,7 @@ def _assert_close_lm(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
 
 
+@pytest.mark.ci_extra
 def test_a_pp2_checkpoint_resumes_on_one_process_and_on_another_pipeline(
     tmp_path: Path,
 ) -> None:
@@ -213,6 +216,7 @@ def test_a_checkpoint_hops_pp2_x_fsdp2_to_one_to_pp4_to_pp2_x_tp2(tmp_path: Path
     _assert_same(out, {**want, "losses": want["losses"][3:], "norms": want["norms"][3:]})
 
 
+@pytest.mark.ci_extra
 def test_activation_checkpointing_and_an_optimizer_made_before_equal_one_process() -> None:
     out = run_distributed(pm.train_checkpointed, "Interleaved1F1B", world_size=2,
                           timeout=120, pp_size=2)
@@ -226,6 +230,7 @@ def test_activation_checkpointing_and_an_optimizer_made_before_equal_one_process
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                     reason="transformers not installed")
 @pytest.mark.preload("transformers", "transformers.models.llama.modeling_llama")
+@pytest.mark.ci_extra
 def test_pp2_x_tp2_llama_equals_one_process_and_its_checkpoint_resumes_on_one(
     tmp_path: Path,
 ) -> None:
@@ -277,6 +282,7 @@ def test_pp2_x_tp2_x_fsdp2_llama_on_8_ranks_equals_one_process(family: str) -> N
                                                            strict=True)) < 1e-5
 
 
+@pytest.mark.ci_extra
 def test_regional_compile_compiles_each_stages_blocks_and_equals_one_process() -> None:
     out = run_distributed(pm.train_compiled, "1F1B", world_size=2, timeout=120, pp_size=2)
     assert [o["compiled"] for o in out] == [["layers.0", "layers.1"],
@@ -312,6 +318,7 @@ def test_pp_x_cp_ranks_follow_the_mesh_and_prepare_model_refuses_the_pair() -> N
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+@pytest.mark.ci_extra
 def test_fp8_converts_each_stages_linear_layers() -> None:
     out = run_distributed(pm.fp8_stages, world_size=2, timeout=120, pp_size=2,
                           mixed_precision="fp8")

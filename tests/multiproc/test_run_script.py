@@ -181,6 +181,7 @@ with accel.distributed() as st:
 '''
 
 
+@pytest.mark.ci_extra
 def test_the_failing_ranks_traceback_is_raised(tmp_path: Path) -> None:
     script = _write(tmp_path, FAILING)
     with pytest.raises(LaunchError) as info:
@@ -294,6 +295,7 @@ def test_bad_arguments_are_config_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_same_variables_and_state_as_accel_launch(tmp_path: Path) -> None:
     """The reference: the same script under the real `accel launch --nproc-per-node 2 --cpu`."""
     script = _report_script(tmp_path)
@@ -334,6 +336,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow  # the script starts a warm server of its own
+@pytest.mark.ci_extra
 def test_preload_adds_modules_to_the_warm_server_before_it_starts(tmp_path: Path) -> None:
     for missing in ("no_such_module_here", "no_such_package_here.sub"):
         with pytest.raises(ConfigError, match=missing):

@@ -185,6 +185,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_the_callers_stdout_is_released_when_it_exits(script: Path) -> None:
     """`python driver.py | tail` ends: nothing the run started keeps the caller's stdout."""
     tmp_path = script.parent

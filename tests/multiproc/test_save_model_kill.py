@@ -134,6 +134,7 @@ def _child_save(out: Path, kill_at: int, can_exchange: bool) -> tuple[int, int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("can_exchange", [True, False], ids=["exchange", "rename-aside"])
 @pytest.mark.parametrize("old_shard", [_SHARD, None], ids=["over-shards", "over-one-file"])
+@pytest.mark.ci_extra
 def test_killed_at_every_file_operation(
     tmp_path: Path, can_exchange: bool, old_shard: int | None
 ) -> None:

@@ -96,6 +96,7 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world_size", "strategy"), [(2, "fsdp"), (3, "fsdp"), (2, "ddp")])
+@pytest.mark.ci_extra
 def test_fsdp_checkpoint_of_a_tied_model_resumes(
     saved: Any, world_size: int, strategy: str
 ) -> None:

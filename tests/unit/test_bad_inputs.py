@@ -456,6 +456,7 @@ def _collective_argument_errors() -> list[tuple[str, str]]:
     return seen
 
 
+@pytest.mark.ci_extra
 def test_collective_argument_errors_on_two_ranks() -> None:
     results = run_distributed(_collective_argument_errors, world_size=2, timeout=60)
     assert results[0][:5] == results[1]  # the gated call runs on rank 0 only

@@ -219,6 +219,7 @@ def _bounded(cases: dict[str, tuple[str, str]], timeout: float = 120) -> dict[st
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_torch_pickles_that_would_build_gigabytes_are_refused_before_torch_reads_them(
     tmp_path: Path,
 ) -> None:
@@ -387,6 +388,7 @@ def test_accelerate_optimizer_states_accel_cannot_take_change_nothing(
 
 
 @pytest.mark.slow  # a fresh bounded interpreter and 2**45-fold sharing: 5-12 s when loaded
+@pytest.mark.ci_extra
 def test_a_self_repeating_optimizer_state_is_refused_quickly(tmp_path: Path) -> None:
     """45 levels of ``x = [x, x]``: torch's load_state_dict walks 2**45 values (it ran 40 s
     into MemoryError, after the model was restored)."""

@@ -133,6 +133,7 @@ def _fifo(path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_fifo_entries_are_refused_without_blocking(tmp_path: Path) -> None:
     cases: dict[str, tuple[str, str]] = {}
     for name in ("model.json", "model.safetensors", "rng_rank0.json", "manifest.json"):
@@ -161,6 +162,7 @@ def test_fifo_entries_are_refused_without_blocking(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_entries_linked_to_dev_zero_are_refused_without_reading(tmp_path: Path) -> None:
     if not os.path.exists("/dev/zero"):
         pytest.skip("no /dev/zero")

@@ -224,6 +224,7 @@ def test_the_check_reads_only_the_directory_and_data_pkl(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.ci_extra
 def test_a_fifo_is_refused_without_waiting(tmp_path: Path) -> None:
     fifo = tmp_path / "weights.pt"
     os.mkfifo(fifo)
@@ -306,6 +307,7 @@ _BOUNDED_LOAD = textwrap.dedent(
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+@pytest.mark.ci_extra
 def test_a_zip_bomb_is_refused_before_anything_is_inflated(tmp_path: Path) -> None:
     path = tmp_path / "bomb.pt"
     _bomb(path)

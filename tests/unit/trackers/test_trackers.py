@@ -363,6 +363,7 @@ def _wandb_records(path: str) -> list[Any]:
     return records
 
 
+@pytest.mark.ci_extra
 def test_wandb_offline_run_holds_the_metrics(tmp_path: Path) -> None:
     wandb = pytest.importorskip("wandb", reason="extra accel[wandb] not installed")
     options = {"wandb": {"mode": "offline", "settings": {"silent": True}}}
@@ -393,6 +394,7 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path: Path) -> None:
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inside mlflow/sqlalchemy
 @pytest.mark.slow  # importing mlflow and creating its sqlite store takes seconds
+@pytest.mark.ci_extra
 def test_mlflow_local_run_holds_the_metrics(tmp_path: Path) -> None:
     pytest.importorskip("mlflow", reason="extra accel[mlflow] not installed")
     from mlflow import MlflowClient
