@@ -120,8 +120,7 @@ def _body(strategy: str, directory: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow  # each rank compiles every block with inductor: 6-7 s a strategy
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-@pytest.mark.ci_extra
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.ci_extra)])
 def test_checkpointing_and_regional_compile_across_two_processes(
     strategy: str, tmp_path: Path
 ) -> None:

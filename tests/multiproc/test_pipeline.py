@@ -108,8 +108,7 @@ def test_a_transformers_llama_split_auto_equals_one_process() -> None:
                     reason="transformers not installed")
 @pytest.mark.preload("transformers", "transformers.models.llama.modeling_llama",
                      "transformers.models.gpt2.modeling_gpt2")
-@pytest.mark.parametrize("family", ["gpt2", "llama-tied"])
-@pytest.mark.ci_extra
+@pytest.mark.parametrize("family", [pytest.param("gpt2", marks=pytest.mark.ci_extra), "llama-tied"])
 def test_an_lm_head_tied_to_the_embedding_trains_on_two_stages_and_resumes_on_one(
     family: str, tmp_path: Path,
 ) -> None:
